@@ -1,0 +1,45 @@
+"""The session export: every branch as per-token lists of equal length, exact to the token.
+
+Logprobs are the engine's sampling logprobs of sampled tokens, computed from logits divided by the
+sampling temperature, before top-p/top-k/min-p truncation (what a trainer recomputes for its
+importance ratio). Prompt and bridge positions carry null, never a placeholder number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokentape.core.session import SessionTree
+from tokentape.core.tape import BranchView
+
+__all__ = ["EXPORT_SCHEMA_VERSION", "LOGPROB_MODE", "export_branch", "export_session"]
+
+EXPORT_SCHEMA_VERSION = 1
+LOGPROB_MODE = "temperature_scaled_untruncated"
+
+
+def export_branch(branch: BranchView) -> dict[str, Any]:
+    leaf = branch.leaf
+    return {
+        "branch_id": leaf.id,
+        "tokens": branch.tokens,
+        "loss_mask": branch.loss_mask,
+        "logprobs": branch.logprobs,
+        "origins": [origin.label for origin in branch.origins],
+        "turns": branch.turns,
+        "action_ranges": [list(r) for r in branch.action_ranges()],
+        "finish_reasons": [node.finish_reason for node in branch.nodes],
+        "truncated": leaf.finish_reason == "length",
+        "rewrites": [node.rewrite.as_dict() for node in branch.nodes if node.rewrite is not None],
+        "turn_ids": [node.id for node in branch.nodes],
+    }
+
+
+def export_session(tree: SessionTree) -> dict[str, Any]:
+    return {
+        "schema_version": EXPORT_SCHEMA_VERSION,
+        "session_id": tree.session_id,
+        "logprob_mode": LOGPROB_MODE,
+        "summary": tree.summary(),
+        "branches": [export_branch(branch) for branch in tree.branches()],
+    }

@@ -1,0 +1,84 @@
+"""Message identity: how a request's history is recognised as a path the session already recorded.
+
+Each message gets a canonical form; a chain of hashes over the canonical forms names every prefix of
+a conversation. An assistant message is canonicalised the way agents echo it back: content `None`
+and `""` are equal, text is NFC-normalised and stripped (tokenizers normalise, scaffolds strip), tool
+call arguments are compared as parsed JSON (spacing and key order do not matter), tool call ids and
+reasoning fields are ignored (agents drop or regenerate them). The sampled tokens stay on the tape
+whatever the echo looks like; this only decides *which* recorded turn an echo refers to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Message", "canonical_message", "hash_chain", "chain_step", "flatten_text_parts", "EMPTY_CHAIN"]
+
+Message = Mapping[str, Any]
+
+EMPTY_CHAIN = b"\x00" * 16
+
+
+def _canonical_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments.strip()
+    return arguments
+
+
+def _canonical_text(content: Any) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return unicodedata.normalize("NFC", content).strip()
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        if len(parts) == len(content):
+            return _canonical_text("".join(parts))
+    return content
+
+
+def canonical_message(message: Message) -> dict[str, Any]:
+    """The parts of a message that decide whether two messages are the same turn."""
+    role = message.get("role")
+    if role != "assistant":
+        return {k: v for k, v in message.items() if v is not None}
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        calls.append([function.get("name"), _canonical_arguments(function.get("arguments"))])
+    return {"role": "assistant", "content": _canonical_text(message.get("content")), "tool_calls": calls}
+
+
+def chain_step(previous: bytes, message: Message) -> bytes:
+    """The chain hash after appending `message` to a prefix whose chain hash is `previous`."""
+    # json, not orjson: it accepts integers past 64 bits and lone surrogates, which agents do send.
+    payload = json.dumps(canonical_message(message), sort_keys=True, default=str).encode()
+    return hashlib.blake2b(previous + payload, digest_size=16).digest()
+
+
+def hash_chain(messages: Sequence[Message], start: bytes = EMPTY_CHAIN) -> Iterator[bytes]:
+    """Yield the chain hash of every prefix of `messages` (of length 1, 2, ...)."""
+    current = start
+    for message in messages:
+        current = chain_step(current, message)
+        yield current
+
+
+def flatten_text_parts(message: Message) -> Message:
+    """A message whose content is a list of text parts, with the parts joined into one string.
+
+    Most chat templates concatenate `content` as a string; OpenAI clients may send text parts.
+    """
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        return message
+    return {**message, "content": "".join(str(p.get("text", "")) for p in content)}

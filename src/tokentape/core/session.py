@@ -1,0 +1,187 @@
+"""A session: every call of one episode, as a tree of turns, and how a new request finds its place.
+
+A request *extends* a turn when its messages start with exactly the messages that led to that turn
+plus the reply it returned (compared in canonical form, see `messages`); only the messages after that
+are new and get rendered. A request whose echo of one of our replies differs is a rewrite and goes to
+the session's policy. Anything else opens a new root: a fresh conversation in the same session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokentape.core.messages import EMPTY_CHAIN, Message, hash_chain
+from tokentape.core.tape import (
+    BranchView,
+    FinishReason,
+    Origin,
+    Rewrite,
+    RewritePolicy,
+    TurnNode,
+    path,
+    path_tokens,
+)
+
+__all__ = ["SessionTree", "Extend", "Fresh", "NewTurn", "plan_request", "common_prefix_length"]
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    """Continue after `node`: render `messages[new_from:]` as a bridge after its sampled tokens."""
+
+    node: TurnNode
+    new_from: int
+    rewrite: Rewrite | None  # set when the echo of `node`'s reply was edited and the tape was kept
+
+
+@dataclass(frozen=True, slots=True)
+class Fresh:
+    """Render the whole request; share tokens with `fork_from`'s path up to the first difference."""
+
+    fork_from: TurnNode | None
+    rewrite: Rewrite | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewTurn:
+    """What one generation adds to the tree, ready to attach."""
+
+    parent: TurnNode | None
+    keep: int
+    context: tuple[int, ...]
+    context_origin: Origin
+    rewrite: Rewrite | None
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionTree:
+    """The recorded turns of one session. Append-only: nodes are added, never changed."""
+
+    def __init__(self, session_id: str, policy: RewritePolicy = "tape") -> None:
+        self.session_id = session_id
+        self.policy: RewritePolicy = policy
+        self.nodes: list[TurnNode] = []
+        self.rewrites: list[Rewrite] = []
+        self._by_chain: dict[bytes, TurnNode] = {}
+        self._by_prompt_chain: dict[bytes, TurnNode] = {}
+
+    # -- reading -----------------------------------------------------------------------------------
+    @property
+    def leaves(self) -> list[TurnNode]:
+        return [node for node in self.nodes if not node.children]
+
+    def branches(self) -> list[BranchView]:
+        return [BranchView.of(leaf) for leaf in self.leaves]
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(n.context) + len(n.sampled) for n in self.nodes)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "session_id": self.session_id,
+            "policy": self.policy,
+            "turns": len(self.nodes),
+            "branches": len(self.leaves),
+            "tokens": self.token_count,
+            "sampled_tokens": sum(len(n.sampled) for n in self.nodes),
+            "rewrites": len(self.rewrites),
+        }
+
+    # -- finding a request's place -----------------------------------------------------------------
+    def locate(self, messages: Sequence[Message]) -> tuple[TurnNode | None, int, TurnNode | None, int]:
+        """Longest recorded turn the request extends, and the deepest turn whose reply it edited.
+
+        Returns (extended node, messages it covers, edited node, index of the edited reply).
+        """
+        extended: TurnNode | None = None
+        covered = 0
+        edited: TurnNode | None = None
+        edited_at = -1
+        for i, chain in enumerate(hash_chain(messages), start=1):
+            if (node := self._by_chain.get(chain)) is not None:
+                extended, covered = node, i
+            candidate = self._by_prompt_chain.get(chain)
+            if candidate is not None and i < len(messages) and messages[i].get("role") == "assistant":
+                edited, edited_at = candidate, i
+        if edited is not None and edited_at < covered:
+            edited = None  # a later turn was matched exactly; the difference is a sibling's reply
+        return extended, covered, edited, edited_at
+
+    # -- recording ---------------------------------------------------------------------------------
+    def attach(
+        self,
+        turn: NewTurn,
+        *,
+        sampled: Sequence[int],
+        logprobs: Sequence[float],
+        finish_reason: FinishReason,
+        prompt_messages: Sequence[Message],
+        reply: Message,
+    ) -> TurnNode:
+        """Record one generation under `turn.parent`."""
+        chains = list(hash_chain([*prompt_messages, reply]))
+        prompt_chain = chains[-2] if len(chains) > 1 else EMPTY_CHAIN
+        node = TurnNode(
+            id=len(self.nodes),
+            parent=turn.parent,
+            keep=turn.keep,
+            context=turn.context,
+            context_origin=turn.context_origin,
+            sampled=tuple(sampled),
+            logprobs=tuple(logprobs),
+            finish_reason=finish_reason,
+            depth=0 if turn.parent is None else turn.parent.depth + 1,
+            prompt_chain=prompt_chain,
+            chain=chains[-1],
+            message_count=len(chains),
+            rewrite=turn.rewrite,
+        )
+        if turn.parent is not None:
+            turn.parent.children.append(node)
+        self.nodes.append(node)
+        self._by_chain.setdefault(node.chain, node)
+        self._by_prompt_chain.setdefault(prompt_chain, node)
+        if turn.rewrite is not None and (not self.rewrites or self.rewrites[-1] is not turn.rewrite):
+            self.rewrites.append(turn.rewrite)
+        return node
+
+    def fork_point(self, branch_end: TurnNode, tokens: Sequence[int]) -> tuple[TurnNode | None, int]:
+        """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens)."""
+        shared = common_prefix_length(path_tokens(branch_end), tokens)
+        parent: TurnNode | None = None
+        for node in path(branch_end):
+            if node.keep < shared:
+                parent = node
+        return parent, shared if parent is not None else 0
+
+
+def plan_request(tree: SessionTree, messages: Sequence[Message]) -> Extend | Fresh:
+    """Decide, from message identity alone, how a request continues the tree.
+
+    Raises nothing: the strict policy is applied by the caller, which also learns of template
+    rewrites only when it renders the bridge.
+    """
+    extended, covered, edited, edited_at = tree.locate(messages)
+    if edited is not None:
+        rewrite = Rewrite(
+            kind="assistant_edited",
+            policy=tree.policy,
+            at_message=edited_at,
+            at_token=None,
+            detail="the request's copy of a recorded reply differs from the reply that was sent",
+        )
+        if tree.policy == "tape":
+            return Extend(edited, edited_at + 1, rewrite)
+        return Fresh(edited, rewrite)
+    if extended is not None:
+        return Extend(extended, covered, None)
+    return Fresh(None, None)

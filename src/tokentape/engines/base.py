@@ -1,0 +1,34 @@
+"""The engine seam: one async method that streams sampled tokens for a token-ID prompt."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokentape.core.sampling import SamplingParams
+
+__all__ = ["Engine", "SampledToken"]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # log p(token) under logits / temperature, before truncation (greedy: temperature 1)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # most likely tokens at this position, best first
+
+
+class Engine(Protocol):
+    """Generates one choice at a time. Closing the iterator early aborts the generation."""
+
+    model_id: str
+    context_length: int
+
+    def generate(
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+    ) -> AsyncIterator[SampledToken]:
+        """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
+        (included in the stream), after `params.max_tokens`, or at the end of the context."""
+        ...
+
+    async def close(self) -> None: ...

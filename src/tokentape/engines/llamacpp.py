@@ -1,0 +1,172 @@
+"""The embedded engine: llama.cpp on the CPU through llama-cpp-python, driven token by token.
+
+One model instance generates one choice at a time on its own thread, so the event loop stays free
+and concurrent requests queue instead of corrupting each other's KV cache. The prompt is given as
+token IDs; the KV cache is reused for the longest prefix shared with the previous generation (which
+is what makes multi-turn sessions cheap). Sampling is done here, in numpy, not by llama.cpp's
+sampler, so that the recorded logprob is the one the token was drawn from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import SampledToken
+from tokentape.engines.sampler import sample_token
+from tokentape.errors import ContextOverflow, EngineFailure
+
+__all__ = ["LlamaCppEngine", "LlamaCppSettings", "default_threads"]
+
+_DONE = object()
+
+
+def default_threads() -> int:
+    # ggml's thread pool busy-waits: using every core next to any other busy process (the agent,
+    # a test runner) slows generation by two orders of magnitude. Leave one core free.
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCppSettings:
+    model_path: Path
+    context_length: int = 8192
+    threads: int = 0  # 0: default_threads()
+    batch_size: int = 512
+    # Flash attention stays off on the CPU: on, it moved logprobs by up to 0.1 nats.
+    flash_attention: bool = False
+
+
+class LlamaCppEngine:
+    """A GGUF model in-process. `generate` is safe to call from many tasks at once."""
+
+    def __init__(self, settings: LlamaCppSettings) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        threads = settings.threads or default_threads()
+        self.settings = settings
+        self._llama = llama_cpp.Llama(
+            str(settings.model_path),
+            n_ctx=settings.context_length,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=settings.batch_size,
+            flash_attn=settings.flash_attention,
+            verbose=False,
+        )
+        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
+        n_vocab = self._llama.n_vocab()
+        self._end_of_turn = frozenset(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        self.model_id = settings.model_path.stem
+        self.context_length = self._llama.n_ctx()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        self.waiting = 0  # generations queued or running
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+    ) -> AsyncIterator[SampledToken]:
+        if not prompt:
+            raise EngineFailure("empty prompt")
+        if len(prompt) >= self.context_length:
+            raise ContextOverflow(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}", param="messages"
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: object) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        self.waiting += 1
+        job = loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, cancel, emit)
+        job.add_done_callback(self._job_done)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise EngineFailure(f"the embedded engine failed: {item}") from item
+                assert isinstance(item, SampledToken)
+                yield item
+        finally:
+            cancel.set()  # the worker stops before its next token; the executor stays serial
+
+    def _job_done(self, _: object) -> None:
+        self.waiting -= 1
+
+    def _run(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        cancel: threading.Event,
+        emit: Callable[[object], None],
+    ) -> None:
+        try:
+            if not cancel.is_set():
+                self._generate_blocking(prompt, params, seed, cancel, emit)
+        except Exception as exc:  # reported to the waiting coroutine, never lost in the thread
+            emit(exc)
+        finally:
+            emit(_DONE)
+
+    def _generate_blocking(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        cancel: threading.Event,
+        emit: Callable[[object], None],
+    ) -> None:
+        llama = self._llama
+        rng = np.random.default_rng(seed)
+        stop_ids = self._end_of_turn | frozenset(params.stop_token_ids)
+        room = self.context_length - len(prompt)
+        limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        logits = self._prefill(prompt)
+        for _ in range(limit):
+            if cancel.is_set():
+                return
+            token, logprob, top = sample_token(logits, params, rng)
+            emit(SampledToken(token, logprob, top))
+            if token in stop_ids:
+                return
+            llama.eval([token])
+            logits = self._last_logits()
+
+    def _prefill(self, prompt: list[int]) -> np.ndarray:
+        """Evaluate the prompt, reusing the KV cache for the prefix shared with the last call."""
+        llama = self._llama
+        cached = llama.input_ids[: llama.n_tokens]
+        shared = 0
+        for a, b in zip(cached, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
+        if shared > 0 and llama._ctx.kv_cache_seq_rm(-1, shared, -1):
+            llama.n_tokens = shared
+        else:
+            llama.reset()
+            shared = 0
+        llama.eval(prompt[shared:])
+        return self._last_logits()
+
+    def _last_logits(self) -> np.ndarray:
+        pointer = self._lib.llama_get_logits_ith(self._llama.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self._llama.n_vocab(),)).copy()
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._llama.close()

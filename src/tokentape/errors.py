@@ -1,0 +1,82 @@
+"""The one exception tree of tokentape; `server/errors.py` maps it to HTTP in one place.
+
+    TokentapeError                 base; carries an OpenAI error type and code
+    ├── InvalidRequest             400 invalid_request_error (bad parameter or message)
+    │   └── ContextOverflow        400 prompt + max_tokens exceed the model's context
+    ├── NotFound                   404 unknown model, session or route
+    ├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
+    ├── Overloaded                 429 queue full; retry later
+    └── EngineFailure              500 the engine failed while generating
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Conflict",
+    "ContextOverflow",
+    "EngineFailure",
+    "InvalidRequest",
+    "NotFound",
+    "Overloaded",
+    "TokentapeError",
+]
+
+
+class TokentapeError(Exception):
+    """Base of every error tokentape raises on purpose."""
+
+    status = 500
+    error_type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+
+class InvalidRequest(TokentapeError):
+    """The request is malformed or a parameter is out of range."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_value"
+
+
+class ContextOverflow(InvalidRequest):
+    """The prompt, plus room to generate, does not fit the model's context window."""
+
+    default_code = "context_length_exceeded"
+
+
+class NotFound(TokentapeError):
+    """An unknown model, session or route."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class Conflict(TokentapeError):
+    """The request conflicts with what the session has recorded."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class Overloaded(TokentapeError):
+    """Too many requests are waiting; the client should retry later."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "overloaded"
+
+
+class EngineFailure(TokentapeError):
+    """The engine failed while generating."""
+
+    status = 500
+    error_type = "server_error"
+    default_code = "engine_error"

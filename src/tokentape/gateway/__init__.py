@@ -1,0 +1,1 @@
+"""Orchestration: request -> session -> renderer -> engine -> tape. No HTTP here."""

@@ -1,0 +1,251 @@
+"""One request, one turn per choice: find the request's place in its session, build the prompt
+from the tape (never from re-rendered history), generate, and record every sampled token.
+
+Bad input raises before anything is recorded. A generation cut short (the caller went away) is
+still recorded, with finish reason "abort", so no sampled token is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokentape.core.messages import Message
+from tokentape.core.sampling import SamplingParams
+from tokentape.core.session import Extend, Fresh, NewTurn, plan_request
+from tokentape.core.tape import FinishReason, Origin, Rewrite, RewritePolicy, TurnNode, path_tokens
+from tokentape.core.text import StopStringFilter, TextAssembler
+from tokentape.engines.base import Engine, SampledToken
+from tokentape.errors import Conflict, ContextOverflow, InvalidRequest
+from tokentape.gateway.sessions import Session, SessionRegistry
+from tokentape.render.renderer import Renderer, RenderOptions
+
+__all__ = ["Gateway", "ChatCall", "CompletionCall", "Started", "TextDelta", "ChoiceDone", "Event"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    messages: Sequence[Message]
+    sampling: SamplingParams
+    options: RenderOptions = RenderOptions()
+    session_id: str | None = None
+    rewrite_policy: RewritePolicy | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionCall:
+    prompt: str | Sequence[int]
+    sampling: SamplingParams
+    session_id: str | None = None
+    echo: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    session_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    index: int
+    text: str
+    tokens: list[SampledToken]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDone:
+    index: int
+    text: str
+    tokens: list[SampledToken]
+    finish_reason: FinishReason
+    turn_id: int
+
+
+Event = Started | TextDelta | ChoiceDone
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    session: Session
+    turn: NewTurn
+    prompt: list[int]
+    recorded_messages: Sequence[Message]
+
+
+class Gateway:
+    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.sessions = sessions
+        self._end_of_turn = renderer.tokenizer.end_of_turn_ids
+
+    # -- chat ------------------------------------------------------------------------------------
+    async def chat(self, call: ChatCall) -> AsyncIterator[Event]:
+        """Stream the events of one chat request; every choice is recorded as a turn."""
+        with self._session_for(call.session_id, call.rewrite_policy) as session:
+            plan = await self._plan_chat(session, call)
+            self._check_room(plan.prompt, call.sampling)
+            session.requests += 1
+        async for event in self._run(plan, call.sampling):
+            yield event
+
+    async def _plan_chat(self, session: Session, call: ChatCall) -> _Plan:
+        tree = session.tree
+        if not call.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        decision = plan_request(tree, call.messages)
+        if decision.rewrite is not None and tree.policy == "strict":
+            raise Conflict(_strict_message(decision.rewrite), param="messages", code="rewrite_rejected")
+        if isinstance(decision, Extend):
+            node = decision.node
+            bridge = await asyncio.to_thread(
+                self.renderer.bridge, call.messages, decision.new_from - 1, self._stop_token(node), call.options
+            )
+            rewrite = decision.rewrite
+            if bridge.template_rewrite:
+                rewrite = Rewrite(
+                    kind="template",
+                    policy=tree.policy,
+                    at_message=decision.new_from - 1,
+                    at_token=None,
+                    detail="the chat template renders an earlier reply differently once new messages follow",
+                )
+                if tree.policy == "strict":
+                    raise Conflict(_strict_message(rewrite), param="messages", code="rewrite_rejected")
+                if tree.policy == "fork":
+                    return await self._plan_fresh(session, call, Fresh(node, rewrite))
+            turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
+            return _Plan(session, turn, path_tokens(node) + bridge.tokens, call.messages)
+        return await self._plan_fresh(session, call, decision)
+
+    async def _plan_fresh(self, session: Session, call: ChatCall, decision: Fresh) -> _Plan:
+        tokens = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
+        if decision.fork_from is None:
+            return _Plan(session, NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, call.messages)
+        parent, shared = session.tree.fork_point(decision.fork_from, tokens)
+        rewrite = decision.rewrite
+        if rewrite is not None:
+            rewrite = dataclasses.replace(rewrite, at_token=shared)
+        turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite)
+        return _Plan(session, turn, tokens, call.messages)
+
+    def _stop_token(self, node: TurnNode) -> int | None:
+        """The end-of-turn token a turn ended on, if it ended on one."""
+        if node.finish_reason == "stop" and node.sampled and node.sampled[-1] in self._end_of_turn:
+            return node.sampled[-1]
+        return None
+
+    # -- completions -------------------------------------------------------------------------------
+    async def complete(self, call: CompletionCall) -> AsyncIterator[Event]:
+        """A raw completion; inside a session it extends the branch its token prompt starts with."""
+        if isinstance(call.prompt, str):
+            prompt = await asyncio.to_thread(self.renderer.tokenizer.encode, call.prompt)
+        else:
+            prompt = list(call.prompt)
+            vocab = self.renderer.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise InvalidRequest(f"prompt token IDs must be between 0 and {vocab - 1}", param="prompt")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        with self._session_for(call.session_id, None) as session:
+            self._check_room(prompt, call.sampling)
+            parent = _deepest_prefix_node(session.tree.nodes, prompt)
+            keep = parent.end if parent is not None else 0
+            turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
+            raw = {"role": "_completion", "content": prompt}
+            session.requests += 1
+        async for event in self._run(_Plan(session, turn, prompt, [raw]), call.sampling):
+            yield event
+
+    # -- shared --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _session_for(self, session_id: str | None, policy: RewritePolicy | None) -> Any:
+        """Open a session for one request; a session the request created is dropped if it fails."""
+        existed = session_id is not None and self.sessions.exists(session_id)
+        session = self.sessions.open(session_id, policy)
+        try:
+            yield session
+        except BaseException:
+            if not existed and not session.tree.nodes and session.requests == 0:
+                self.sessions.discard(session.id)
+            raise
+
+    def _check_room(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        context = self.engine.context_length
+        wanted = len(prompt) + (sampling.max_tokens or 1)
+        if wanted > context:
+            raise ContextOverflow(
+                f"this model's context holds {context} tokens; the request needs {wanted} "
+                f"({len(prompt)} in the prompt, {sampling.max_tokens or 1} to generate)",
+                param="max_tokens" if len(prompt) < context else "messages",
+            )
+
+    async def _run(self, plan: _Plan, sampling: SamplingParams) -> AsyncIterator[Event]:
+        yield Started(plan.session.id, plan.prompt)
+        for index in range(sampling.n):
+            async for event in self._choice(plan, sampling, index):
+                yield event
+
+    async def _choice(self, plan: _Plan, sampling: SamplingParams, index: int) -> AsyncIterator[Event]:
+        tokens: list[SampledToken] = []
+        pending: list[SampledToken] = []
+        text_parts: list[str] = []
+        assembler = TextAssembler()
+        stops = StopStringFilter(sampling.stop)
+        finish: FinishReason = "abort"
+        stop_ids = self._end_of_turn | frozenset(sampling.stop_token_ids)
+        try:
+            stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
+            async with contextlib.aclosing(stream):
+                async for sample in stream:
+                    tokens.append(sample)
+                    pending.append(sample)
+                    piece = self.renderer.tokenizer.token_bytes(sample.token_id)
+                    delta = stops.feed(assembler.feed(piece))
+                    if delta:
+                        text_parts.append(delta)
+                        yield TextDelta(index, delta, pending)
+                        pending = []
+                    if stops.stopped or sample.token_id in stop_ids:
+                        finish = "stop"
+                        break
+            if finish != "stop":
+                finish = "length"
+            tail = stops.feed(assembler.finish()) + stops.finish()
+            if tail:
+                text_parts.append(tail)
+            if tail or pending:
+                yield TextDelta(index, tail, pending)
+        finally:
+            # Record even a cut-short generation: every sampled token stays on the tape.
+            if tokens or finish != "abort":
+                node = plan.session.tree.attach(
+                    plan.turn,
+                    sampled=[t.token_id for t in tokens],
+                    logprobs=[t.logprob for t in tokens],
+                    finish_reason=finish,
+                    prompt_messages=plan.recorded_messages,
+                    reply={"role": "assistant", "content": "".join(text_parts)},
+                )
+        yield ChoiceDone(index, "".join(text_parts), tokens, finish, node.id)
+
+
+def _deepest_prefix_node(nodes: Sequence[TurnNode], prompt: Sequence[int]) -> TurnNode | None:
+    """The most recent turn whose whole path is a prefix of `prompt`."""
+    for node in reversed(nodes):
+        if node.end <= len(prompt) and path_tokens(node) == list(prompt[: node.end]):
+            return node
+    return None
+
+
+def _strict_message(rewrite: Rewrite) -> str:
+    return (
+        f"this session's rewrite policy is strict and the request rewrites its history at message "
+        f"{rewrite.at_message}: {rewrite.detail}"
+    )
+

@@ -1,0 +1,1 @@
+"""Chat templates and tokenizers: the only place that turns text into token IDs."""

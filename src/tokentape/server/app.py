@@ -1,0 +1,302 @@
+"""Routes. OpenAI routes live under `/v1` and again under `/sessions/{session_id}/v1`, so an agent
+that only lets you set `base_url` still lands in its session. A session may also be named by the
+`X-Session-ID` header or the `session_id` body field."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import orjson
+import pydantic
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokentape.core.export import export_session
+from tokentape.core.messages import flatten_text_parts
+from tokentape.core.sampling import SamplingParams
+from tokentape.errors import InvalidRequest, NotFound, TokentapeError
+from tokentape.gateway.service import ChatCall, ChoiceDone, CompletionCall, Event, Gateway, Started, TextDelta
+from tokentape.gateway.sessions import check_policy, check_session_id
+from tokentape.render.renderer import RenderOptions
+from tokentape.server.errors import error_body, install_error_handlers, invalid_from_validation, json_response
+from tokentape.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokentape.server.responses import WireBuilder
+
+__all__ = ["create_app"]
+
+SESSION_HEADER = "x-session-id"
+_Body = TypeVar("_Body", bound=pydantic.BaseModel)
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+async def _json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        if optional:
+            return {}
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        data = orjson.loads(body)  # rejects lone surrogates, which would break templates later
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return data
+
+
+async def _parse(request: Request, model: type[_Body]) -> tuple[_Body, dict[str, Any]]:
+    data = await _json_object(request)
+    try:
+        return model.model_validate(data), data
+    except pydantic.ValidationError as exc:
+        raise invalid_from_validation(exc) from exc
+
+
+def _session_id(request: Request, body_value: str | None) -> str | None:
+    named = {
+        value
+        for value in (request.path_params.get("session_id"), request.headers.get(SESSION_HEADER), body_value)
+        if value
+    }
+    if len(named) > 1:
+        raise InvalidRequest("the request names more than one session", param="session_id")
+    return check_session_id(named.pop()) if named else None
+
+
+def _stop(value: str | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
+    app = FastAPI(title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0")
+    install_error_handlers(app)
+    tokenizer = gateway.renderer.tokenizer
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_id:
+            raise NotFound(f"the model '{name}' does not exist; this server serves '{model_id}'", param="model",
+                           code="model_not_found")
+
+    async def sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        except TokentapeError as exc:
+            yield b"data: " + orjson.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code)) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def start(events: AsyncIterator[Event]) -> Started:
+        first = await anext(events)  # planning errors surface here, before any byte is sent
+        assert isinstance(first, Started)
+        return first
+
+    # -- OpenAI routes ----------------------------------------------------------------------------
+    openai_routes = APIRouter()
+
+    @openai_routes.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        req, raw = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        top = req.top_logprobs or 0
+        sampling = SamplingParams(
+            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0,
+            min_p=0.0 if req.min_p is None else float(req.min_p),
+            seed=req.seed,
+            stop=_stop(req.stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            logprobs=bool(req.logprobs) or top > 0,
+            top_logprobs=top,
+            n=1 if req.n is None else req.n,
+        )
+        call = ChatCall(
+            messages=[flatten_text_parts(m) for m in raw["messages"]],
+            sampling=sampling,
+            options=RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs),
+            session_id=_session_id(request, req.session_id),
+            rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
+        )
+        events = gateway.chat(call)
+        started = await start(events)
+        wire = WireBuilder(tokenizer, req.model, "chat", started.session_id, started.prompt_token_ids)
+        headers = {"X-Session-ID": started.session_id}
+        if not req.stream:
+            done = [event async for event in events if isinstance(event, ChoiceDone)]
+            return json_response(wire.chat_completion(done, top), headers=headers)
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            opened: set[int] = set()
+            produced = 0
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    yield wire.chat_chunk(event.index, text=event.text, tokens=event.tokens, top=top,
+                                          first=event.index not in opened)
+                    opened.add(event.index)
+                elif isinstance(event, ChoiceDone):
+                    produced += len(event.tokens)
+                    yield wire.chat_chunk(event.index, finish_reason=event.finish_reason,
+                                          first=event.index not in opened)
+                    opened.add(event.index)
+            if include_usage:
+                yield wire.usage_chunk(produced, "chat.completion.chunk")
+
+        return StreamingResponse(sse(chunks()), media_type="text/event-stream", headers=headers)
+
+    @openai_routes.post("/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        req, _ = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        assert isinstance(prompt, (str, list))
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise InvalidRequest("logprobs must be between 0 and 5 for completions", param="logprobs")
+        sampling = SamplingParams(
+            max_tokens=16 if req.max_tokens is None else req.max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0,
+            min_p=0.0 if req.min_p is None else float(req.min_p),
+            seed=req.seed,
+            stop=_stop(req.stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+            n=1 if req.n is None else req.n,
+        )
+        call = CompletionCall(prompt=prompt, sampling=sampling, session_id=_session_id(request, req.session_id))
+        events = gateway.complete(call)
+        started = await start(events)
+        wire = WireBuilder(tokenizer, req.model, "completion", started.session_id, started.prompt_token_ids)
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
+        headers = {"X-Session-ID": started.session_id}
+        if not req.stream:
+            done = [event async for event in events if isinstance(event, ChoiceDone)]
+            return json_response(wire.completion(done, req.logprobs, echo), headers=headers)
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            opened: set[int] = set()
+            produced = 0
+            async for event in events:
+                first = event.index not in opened if isinstance(event, (TextDelta, ChoiceDone)) else False
+                if isinstance(event, TextDelta):
+                    text = (echo if first else "") + event.text
+                    yield wire.completion_chunk(event.index, text, event.tokens, req.logprobs, None, first)
+                    opened.add(event.index)
+                elif isinstance(event, ChoiceDone):
+                    produced += len(event.tokens)
+                    yield wire.completion_chunk(event.index, "", [], req.logprobs, event.finish_reason, first)
+                    opened.add(event.index)
+            if include_usage:
+                yield wire.usage_chunk(produced, "text_completion")
+
+        return StreamingResponse(sse(chunks()), media_type="text/event-stream", headers=headers)
+
+    @openai_routes.get("/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": int(app.state.started),
+                    "owned_by": "tokentape",
+                    "max_model_len": gateway.engine.context_length,
+                }
+            ],
+        }
+
+    @openai_routes.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_id, "sessions": len(gateway.sessions)}
+
+    @openai_routes.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req, raw = await _parse(request, TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("send either 'prompt' or 'messages'", param="prompt")
+        if req.prompt is not None:
+            tokens = tokenizer.encode(req.prompt)
+        else:
+            messages = [flatten_text_parts(m) for m in raw["messages"]]
+            options = RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs)
+            text = gateway.renderer.template.render(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=options.tools,
+                template_kwargs=options.template_kwargs,
+            )
+            tokens = tokenizer.encode(text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": gateway.engine.context_length}
+
+    @openai_routes.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req, _ = await _parse(request, DetokenizeRequest)
+        check_model(req.model)
+        if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):
+            raise InvalidRequest(f"token IDs must be between 0 and {tokenizer.vocab_size - 1}", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    app.include_router(openai_routes, prefix="/v1")
+    app.include_router(openai_routes, prefix="/sessions/{session_id}/v1")
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
+
+    # -- session routes ----------------------------------------------------------------------------
+    @app.get("/sessions")
+    async def list_sessions() -> dict[str, Any]:
+        return {"object": "list", "data": [s.summary() for s in gateway.sessions.all()]}
+
+    @app.post("/sessions", status_code=201)
+    async def create_session(request: Request) -> dict[str, Any]:
+        data = await _json_object(request, optional=True)
+        session_id = data.get("session_id")
+        policy = data.get("rewrite_policy")
+        if session_id is not None and not isinstance(session_id, str):
+            raise InvalidRequest("session_id must be a string", param="session_id")
+        if policy is not None and not isinstance(policy, str):
+            raise InvalidRequest("rewrite_policy must be a string", param="rewrite_policy")
+        if session_id is not None and gateway.sessions.exists(check_session_id(session_id)):
+            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id",
+                                 code="session_exists")
+        session = gateway.sessions.open(session_id, check_policy(policy) if policy is not None else None)
+        return session.summary()
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = gateway.sessions.get(session_id)
+        return {**session.summary(), "rewrite_events": [r.as_dict() for r in session.tree.rewrites]}
+
+    @app.get("/sessions/{session_id}/export")
+    async def export(session_id: str) -> Response:
+        return json_response(export_session(gateway.sessions.get(session_id).tree))
+
+    @app.delete("/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        gateway.sessions.delete(session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,157 @@
+"""Gateway events -> OpenAI wire objects (what the `openai` SDK parses), plus the token fields
+vLLM names for `return_token_ids`: `prompt_token_ids` at the top level, `token_ids` per choice."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from tokentape.engines.base import SampledToken
+from tokentape.gateway.service import ChoiceDone
+from tokentape.render.tokenizer import Tokenizer
+
+__all__ = ["WireBuilder"]
+
+
+class WireBuilder:
+    """Shapes one response; holds its id, creation time and model name."""
+
+    def __init__(self, tokenizer: Tokenizer, model: str, kind: str, session_id: str, prompt: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.session_id = session_id
+        self.prompt = prompt
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _token_text(self, token_id: int) -> str:
+        piece = self.tokenizer.token_bytes(token_id)
+        return piece.decode("utf-8", "replace") if piece else self.tokenizer.special_text(token_id)
+
+    def chat_logprobs(self, tokens: Sequence[SampledToken], top: int) -> dict[str, Any]:
+        content = []
+        for sample in tokens:
+            entry = self._logprob_entry(sample.token_id, sample.logprob)
+            entry["top_logprobs"] = [self._logprob_entry(t, lp) for t, lp in sample.top_logprobs[:top]]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
+        return {"token": self._token_text(token_id), "logprob": logprob, "bytes": list(piece), "token_id": token_id}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = len(self.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+    # -- chat ------------------------------------------------------------------------------------
+    def chat_completion(self, choices: Sequence[ChoiceDone], top: int) -> dict[str, Any]:
+        return {
+            **self._head("chat.completion"),
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": self.chat_logprobs(c.tokens, top),
+                    "token_ids": [t.token_id for t in c.tokens],
+                }
+                for c in choices
+            ],
+            "usage": self.usage(sum(len(c.tokens) for c in choices)),
+            "prompt_token_ids": self.prompt,
+            "session_id": self.session_id,
+        }
+
+    def chat_chunk(
+        self,
+        index: int,
+        *,
+        text: str | None = None,
+        tokens: Sequence[SampledToken] = (),
+        top: int = 0,
+        finish_reason: str | None = None,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text:
+            delta["content"] = text
+        chunk: dict[str, Any] = {
+            **self._head("chat.completion.chunk"),
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": self.chat_logprobs(tokens, top) if tokens else None,
+                    "finish_reason": finish_reason,
+                    "token_ids": [t.token_id for t in tokens],
+                }
+            ],
+        }
+        if first:
+            chunk["prompt_token_ids"] = self.prompt
+            chunk["session_id"] = self.session_id
+        return chunk
+
+    def usage_chunk(self, completion_tokens: int, obj: str) -> dict[str, Any]:
+        return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}
+
+    # -- completions -------------------------------------------------------------------------------
+    def completion_logprobs(self, tokens: Sequence[SampledToken], top: int, offset: int) -> dict[str, Any]:
+        texts = [self._token_text(t.token_id) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self._token_text(i): lp for i, lp in t.top_logprobs[:top]} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    def completion(self, choices: Sequence[ChoiceDone], top: int | None, echo: str) -> dict[str, Any]:
+        return {
+            **self._head("text_completion"),
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": echo + c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None if top is None else self.completion_logprobs(c.tokens, top, len(echo)),
+                    "token_ids": [t.token_id for t in c.tokens],
+                }
+                for c in choices
+            ],
+            "usage": self.usage(sum(len(c.tokens) for c in choices)),
+            "prompt_token_ids": self.prompt,
+            "session_id": self.session_id,
+        }
+
+    def completion_chunk(
+        self, index: int, text: str, tokens: Sequence[SampledToken], top: int | None, finish_reason: str | None,
+        first: bool,
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            **self._head("text_completion"),
+            "choices": [
+                {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": finish_reason,
+                    "logprobs": None if top is None else self.completion_logprobs(tokens, top, 0),
+                    "token_ids": [t.token_id for t in tokens],
+                }
+            ],
+        }
+        if first:
+            chunk["prompt_token_ids"] = self.prompt
+            chunk["session_id"] = self.session_id
+        return chunk
