@@ -70,6 +70,7 @@ class LlamaCppEngine:
         self.context_length = self._llama.n_ctx()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
+        self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
@@ -139,6 +140,7 @@ class LlamaCppEngine:
             if cancel.is_set():
                 return
             token, logprob, top = sample_token(logits, params, rng)
+            self.tokens_generated += 1
             emit(SampledToken(token, logprob, top))
             if token in stop_ids:
                 return

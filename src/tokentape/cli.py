@@ -1,0 +1,83 @@
+"""Command line: `tokentape serve` runs the gateway; `tokentape demo` runs the bundled agent."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tokentape.gateway.sessions import REWRITE_POLICIES, check_policy
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help="tokentape: an OpenAI-compatible gateway that records every sampled token for RL training.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind. Keep 127.0.0.1 unless the network is trusted.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    model: Annotated[
+        Path | None, typer.Option(help="A GGUF model file. Default: the embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model name clients send. Default: derived from the model file.")
+    ] = None,
+    context_length: Annotated[int, typer.Option(help="Context window in tokens (prompt + generation).")] = 8192,
+    threads: Annotated[
+        int, typer.Option(help="CPU threads for the embedded engine. 0: all cores but one (ggml busy-waits).")
+    ] = 0,
+    rewrite_policy: Annotated[
+        str,
+        typer.Option(
+            help=f"What to do when a request rewrites recorded history ({', '.join(REWRITE_POLICIES)}): "
+            "tape keeps the recorded tokens, fork starts a new branch, strict rejects the request."
+        ),
+    ] = "tape",
+    log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
+) -> None:
+    """Serve the gateway until stopped (Ctrl-C)."""
+    import uvicorn
+
+    from tokentape.runtime import RuntimeSettings, build_gateway
+    from tokentape.server.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = RuntimeSettings(
+        model_path=model,
+        context_length=context_length,
+        threads=threads,
+        rewrite_policy=check_policy(rewrite_policy),
+        served_model_name=served_model_name,
+    )
+    gateway, name = build_gateway(settings)
+    typer.echo(f"tokentape: serving {name} at http://{host}:{port}/v1 (sessions: /sessions/<id>/v1)", err=True)
+    uvicorn.run(create_app(gateway, model_id=name), host=host, port=port, log_level=log_level.lower())
+
+
+@app.command()
+def demo(
+    episodes: Annotated[int, typer.Option(min=4, help="Episodes to run (at least 4: one of each kind).")] = 4,
+    out: Annotated[Path, typer.Option(help="Folder for the exported sessions.")] = Path("runs/demo"),
+    port: Annotated[int, typer.Option(help="Port for the gateway; 0 picks a free one.")] = 0,
+) -> None:
+    """Start the gateway on the embedded model, run the bundled agent through it, export the tapes."""
+    from tokentape.demo import run_demo
+
+    run_demo(episodes=episodes, out=out, port=port)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

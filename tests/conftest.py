@@ -1,0 +1,76 @@
+"""Shared fixtures: the embedded model is loaded once per test run and shared."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.render.template import ChatTemplate
+from tokentape.render.tokenizer import GGUFTokenizer
+from tokentape.runtime import embedded_model_path
+from tokentape.server.app import create_app
+
+MODEL_NAME = "smollm2-135m-instruct"
+OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path) -> GGUFTokenizer:
+    return GGUFTokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def template(tokenizer: GGUFTokenizer) -> ChatTemplate:
+    return ChatTemplate(
+        tokenizer.metadata["tokenizer.chat_template"],
+        bos_token=tokenizer.token_name("tokenizer.ggml.bos_token_id"),
+        eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
+    )
+
+
+@pytest.fixture(scope="session")
+def renderer(template: ChatTemplate, tokenizer: GGUFTokenizer) -> Renderer:
+    return Renderer(template, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def engine(model_path: Path) -> Iterator[LlamaCppEngine]:
+    yield LlamaCppEngine(LlamaCppSettings(model_path=model_path, context_length=1024))
+
+
+@pytest.fixture
+def gateway(engine: LlamaCppEngine, renderer: Renderer) -> Gateway:
+    """A gateway with no sessions yet, on the shared model."""
+    return Gateway(engine, renderer, SessionRegistry())
+
+
+@pytest.fixture
+async def http(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    """The real ASGI app, called in-process."""
+    app = create_app(gateway, model_id=MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokentape") as client:
+        yield client
+
+
+@pytest.fixture
+def sdk(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    """The real openai SDK over the in-process app."""
+    return openai.AsyncOpenAI(base_url="http://tokentape/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+def output_dir() -> Path:
+    OUTPUT_DIR.mkdir(exist_ok=True)
+    return OUTPUT_DIR

@@ -1,0 +1,114 @@
+"""The embedded engine on the real model: exact logprobs, seeds, aborts, and concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.engines.sampler import log_softmax
+from tokentape.render.renderer import Renderer, RenderOptions
+
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+
+
+async def _generate(engine: LlamaCppEngine, prompt: list[int], params: SamplingParams, seed: int | None) -> list[int]:
+    return [s.token_id async for s in engine.generate(prompt, params, seed=seed)]
+
+
+def _replay(model_path: Path, tokens: list[int], start: int, *, batched: bool) -> np.ndarray:
+    """Logits of positions start-1 .. end-1 recomputed by a fresh model instance."""
+    reference = llama_cpp.Llama(str(model_path), n_ctx=1024, logits_all=batched, verbose=False, n_threads=1)
+    try:
+        if batched:
+            reference.eval(tokens)
+            return np.asarray(reference.scores[start - 1 : len(tokens) - 1], dtype=np.float64)
+        rows = []
+        reference.eval(tokens[:start])
+        for token in tokens[start:]:
+            pointer = llama_cpp.llama_get_logits_ith(reference.ctx, -1)
+            rows.append(np.ctypeslib.as_array(pointer, shape=(reference.n_vocab(),)).astype(np.float64))
+            reference.eval([token])
+        return np.array(rows)
+    finally:
+        reference.close()
+
+
+async def test_recorded_logprobs_equal_a_fresh_forward_pass(
+    engine: LlamaCppEngine, renderer: Renderer, model_path: Path
+) -> None:
+    """What a trainer recomputes from logits / T matches what was recorded at sampling time: exactly
+    when replayed token by token as sampled, and within llama.cpp's batch-size numerics (a batched
+    matmul of the quantized weights rounds differently) when the sequence is evaluated in one pass."""
+    prompt = renderer.prompt(QUESTION, RenderOptions())
+    params = SamplingParams(temperature=0.8, max_tokens=24)
+    samples = [s async for s in engine.generate(prompt, params, seed=11)]
+    sequence = prompt + [s.token_id for s in samples]
+    recorded = np.array([s.logprob for s in samples])
+    for batched, tolerance in ((False, 1e-9), (True, 0.3)):
+        logits = _replay(model_path, sequence, len(prompt), batched=batched) / params.temperature
+        recomputed = np.array([log_softmax(row)[s.token_id] for row, s in zip(logits, samples, strict=True)])
+        assert np.max(np.abs(recomputed - recorded)) <= tolerance
+
+
+async def test_a_seed_reproduces_the_same_tokens(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    prompt = renderer.prompt(QUESTION, RenderOptions())
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    first = await _generate(engine, prompt, params, 5)
+    assert await _generate(engine, prompt, params, 5) == first
+    others = [await _generate(engine, prompt, params, seed) for seed in (6, 7, 8)]
+    assert any(o != first for o in others)
+
+
+async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    prompt = renderer.prompt(QUESTION, RenderOptions())
+    stream = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=400, stop_token_ids=()), seed=1)
+    async with contextlib.aclosing(stream):
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                at_abort = engine.tokens_generated
+                break
+    deadline = time.monotonic() + 5
+    while engine.waiting and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert engine.waiting == 0
+    assert engine.tokens_generated - at_abort <= 2
+
+
+async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    prompts = [renderer.prompt([{"role": "user", "content": q}], RenderOptions())
+               for q in ("Hi!", "What is 2+2?", "Tell me a joke.")]
+    params = SamplingParams(temperature=0.9, max_tokens=12)
+    sequential = [await _generate(engine, p, params, 3) for p in prompts]
+    concurrent = await asyncio.gather(*(_generate(engine, p, params, 3) for p in prompts))
+    assert list(concurrent) == sequential
+
+
+async def test_generation_leaves_the_event_loop_free(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    prompt = renderer.prompt(QUESTION, RenderOptions())
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=48), None)
+    done.set()
+    await task
+    assert len(gaps) > 10
+    assert max(gaps) < 0.25
