@@ -85,12 +85,22 @@ def test_each_turn_is_recorded_after_the_exact_prompt_it_was_sampled_from(
 
 
 @given(grown_trees())
+@settings(max_examples=200, deadline=None)
+def test_every_recorded_token_is_in_some_branch(grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]]) -> None:
+    tree, prompts = grown
+    branches = [b.tokens for b in tree.branches()]
+    for node, prompt in prompts:
+        whole = prompt + list(node.sampled)
+        assert any(tokens[: len(whole)] == whole for tokens in branches)
+
+
+@given(grown_trees())
 @settings(max_examples=100, deadline=None)
-def test_export_lists_one_branch_per_leaf(grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]]) -> None:
+def test_export_lists_one_branch_per_branch_end(grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]]) -> None:
     tree, _ = grown
     exported = export_session(tree)
-    leaves = [n for n in tree.nodes if not n.children]
-    assert [b["branch_id"] for b in exported["branches"]] == [leaf.id for leaf in leaves]
+    ends = [n for n in tree.nodes if not any(c.keep == n.end for c in n.children)]
+    assert [b["branch_id"] for b in exported["branches"]] == [end.id for end in ends]
     for branch in exported["branches"]:
         assert set(branch["origins"]) <= {"prompt", "sampled", "bridge"}
         assert len(branch["finish_reasons"]) == len(branch["turn_ids"])

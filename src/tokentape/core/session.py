@@ -76,7 +76,9 @@ class SessionTree:
     # -- reading -----------------------------------------------------------------------------------
     @property
     def leaves(self) -> list[TurnNode]:
-        return [node for node in self.nodes if not node.children]
+        """Nodes where a branch ends: no child continues after their last token. A node whose
+        children all fork inside it still ends a branch, so none of its tokens drop out of the export."""
+        return [node for node in self.nodes if all(child.keep < node.end for child in node.children)]
 
     def branches(self) -> list[BranchView]:
         return [BranchView.of(leaf) for leaf in self.leaves]

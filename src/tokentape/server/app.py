@@ -111,6 +111,8 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req, raw = await _parse(request, ChatCompletionRequest)
         check_model(req.model)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise InvalidRequest("max_completion_tokens must be at least 1", param="max_completion_tokens")
         top = req.top_logprobs or 0
         sampling = SamplingParams(
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
