@@ -119,8 +119,13 @@ def run_demo(*, episodes: int, out: Path, port: int) -> None:
     for row in rows:
         summary = row["export"]["summary"]
         table.add_row(
-            row["export"]["session_id"], row["kind"], str(summary["turns"]), str(summary["branches"]),
-            str(summary["tokens"]), str(summary["sampled_tokens"]), str(summary["rewrites"]),
+            row["export"]["session_id"],
+            row["kind"],
+            str(summary["turns"]),
+            str(summary["branches"]),
+            str(summary["tokens"]),
+            str(summary["sampled_tokens"]),
+            str(summary["rewrites"]),
         )
         totals["turns"] += summary["turns"]
         totals["tokens"] += summary["tokens"]

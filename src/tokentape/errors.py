@@ -1,12 +1,12 @@
 """The one exception tree of tokentape; `server/errors.py` maps it to HTTP in one place.
 
-    TokentapeError                 base; carries an OpenAI error type and code
-    ├── InvalidRequest             400 invalid_request_error (bad parameter or message)
-    │   └── ContextOverflow        400 prompt + max_tokens exceed the model's context
-    ├── NotFound                   404 unknown model, session or route
-    ├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
-    ├── Overloaded                 429 queue full; retry later
-    └── EngineFailure              500 the engine failed while generating
+TokentapeError                 base; carries an OpenAI error type and code
+├── InvalidRequest             400 invalid_request_error (bad parameter or message)
+│   └── ContextOverflow        400 prompt + max_tokens exceed the model's context
+├── NotFound                   404 unknown model, session or route
+├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
+├── Overloaded                 429 queue full; retry later
+└── EngineFailure              500 the engine failed while generating
 """
 
 from __future__ import annotations

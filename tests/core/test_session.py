@@ -14,12 +14,23 @@ SYSTEM = {"role": "system", "content": "Be brief."}
 USER = {"role": "user", "content": "Plan a trip."}
 
 
-def record(tree: SessionTree, parent: TurnNode | None, messages: list[dict[str, Any]], reply: dict[str, Any],
-           sampled: tuple[int, ...] = (7, 8, 9)) -> TurnNode:
+def record(
+    tree: SessionTree,
+    parent: TurnNode | None,
+    messages: list[dict[str, Any]],
+    reply: dict[str, Any],
+    sampled: tuple[int, ...] = (7, 8, 9),
+) -> TurnNode:
     keep = parent.end if parent else 0
     turn = NewTurn(parent, keep, (1, 2, 3), Origin.PROMPT if parent is None else Origin.BRIDGE, None)
-    return tree.attach(turn, sampled=list(sampled), logprobs=[-0.5] * len(sampled), finish_reason="stop",
-                       prompt_messages=messages, reply=reply)
+    return tree.attach(
+        turn,
+        sampled=list(sampled),
+        logprobs=[-0.5] * len(sampled),
+        finish_reason="stop",
+        prompt_messages=messages,
+        reply=reply,
+    )
 
 
 def test_a_first_request_renders_a_fresh_prompt() -> None:
@@ -41,7 +52,10 @@ def test_a_request_that_echoes_the_reply_extends_that_turn() -> None:
         ({"content": unicodedata.normalize("NFC", "Café")}, {"content": unicodedata.normalize("NFD", "Café")}),
         ({"content": "Go."}, {"content": [{"type": "text", "text": "Go."}]}),
         (
-            {"content": None, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": '{"x": 1, "y": [true]}'}}]},
+            {
+                "content": None,
+                "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": '{"x": 1, "y": [true]}'}}],
+            },
             {"content": "", "tool_calls": [{"id": "b", "function": {"name": "f", "arguments": '{"y":[true],"x":1}'}}]},
         ),
         (
@@ -51,7 +65,9 @@ def test_a_request_that_echoes_the_reply_extends_that_turn() -> None:
         ({"content": "Go."}, {"content": "Go.", "reasoning_content": "thinking it over"}),
     ],
 )
-def test_echoes_are_recognised_however_the_agent_reserialises_them(sent: dict[str, Any], echoed: dict[str, Any]) -> None:
+def test_echoes_are_recognised_however_the_agent_reserialises_them(
+    sent: dict[str, Any], echoed: dict[str, Any]
+) -> None:
     tree = SessionTree("s")
     node = record(tree, None, [USER], {"role": "assistant", **sent})
     request = [USER, {"role": "assistant", **echoed}, {"role": "user", "content": "Next."}]
@@ -60,7 +76,9 @@ def test_echoes_are_recognised_however_the_agent_reserialises_them(sent: dict[st
 
 def test_tool_call_arguments_that_differ_in_value_are_not_the_same_reply() -> None:
     tree = SessionTree("s")
-    record(tree, None, [USER], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]})
+    record(
+        tree, None, [USER], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    )
     request = [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 2}'}}]}]
     decision = plan_request(tree, [*request, {"role": "tool", "content": "3"}])
     assert decision.rewrite is not None and decision.rewrite.kind == "assistant_edited"
@@ -93,7 +111,10 @@ def test_an_edited_reply_is_a_rewrite_handled_by_the_policy(policy: RewritePolic
     decision = plan_request(tree, edited)
     assert decision.rewrite is not None
     assert (decision.rewrite.kind, decision.rewrite.at_message, decision.rewrite.policy) == (
-        "assistant_edited", 2, policy)
+        "assistant_edited",
+        2,
+        policy,
+    )
     if policy == "tape":
         assert isinstance(decision, Extend) and decision.node is node and decision.new_from == 3
     else:
@@ -109,7 +130,9 @@ def test_an_unrelated_conversation_is_a_new_root_not_a_rewrite() -> None:
 def test_fork_point_shares_the_longest_token_prefix() -> None:
     tree = SessionTree("s")
     root = record(tree, None, [USER], {"role": "assistant", "content": "A"}, sampled=(7, 8, 9))
-    child = record(tree, root, [USER, {"role": "assistant", "content": "A"}, USER], {"role": "assistant", "content": "B"})
+    child = record(
+        tree, root, [USER, {"role": "assistant", "content": "A"}, USER], {"role": "assistant", "content": "B"}
+    )
     # root path: 1 2 3 7 8 9; child path: 1 2 3 7 8 9 1 2 3 7 8 9
     parent, shared = tree.fork_point(child, [1, 2, 3, 7, 8, 9, 1, 2, 99])
     assert (parent, shared) == (child, 8)

@@ -75,7 +75,7 @@ def test_every_branch_is_consistent(grown: tuple[SessionTree, list[tuple[TurnNod
 def test_each_turn_is_recorded_after_the_exact_prompt_it_was_sampled_from(
     grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]],
 ) -> None:
-    tree, prompts = grown
+    _, prompts = grown
     for node, prompt in prompts:
         view = BranchView.of(node)
         assert view.tokens[: len(prompt)] == prompt

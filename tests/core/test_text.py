@@ -33,7 +33,9 @@ def test_a_character_cut_by_truncation_becomes_one_replacement_character() -> No
     assert assembler.finish() == "\ufffd"
 
 
-@given(texts, st.lists(st.integers(0, 60), max_size=8), st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
+@given(
+    texts, st.lists(st.integers(0, 60), max_size=8), st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)
+)
 def test_stop_strings_cut_the_text_wherever_the_deltas_split(text: str, cuts: list[int], stops: list[str]) -> None:
     points = sorted({c % (len(text) + 1) for c in cuts})
     deltas, last = [], 0

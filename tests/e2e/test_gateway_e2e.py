@@ -6,6 +6,7 @@ what the session export holds, turn after turn, including streamed and truncated
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,8 +81,13 @@ async def test_five_turns_are_exported_exactly_as_they_were_served(server: Runni
     calls = []
     for turn, question in enumerate(questions):
         messages.append({"role": "user", "content": question})
-        kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0.8, "seed": turn,
-                                  "max_tokens": 3 if turn == 2 else 40}
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "temperature": 0.8,
+            "seed": turn,
+            "max_tokens": 3 if turn == 2 else 40,
+        }
         call = await (_streamed_turn(client, **kwargs) if turn == 1 else _plain_turn(client, **kwargs))
         calls.append(call)
         messages.append({"role": "assistant", "content": call["text"]})
@@ -108,19 +114,22 @@ async def test_five_turns_are_exported_exactly_as_they_were_served(server: Runni
     rendered = _tokenize(server, messages=messages, add_generation_prompt=False)
     closed_last = calls[-1]["finish"] == "stop"
     assert tokens.count(im_end) == rendered.count(im_end) - (0 if closed_last else 1)
-    assert all(not (a == b == im_end) for a, b in zip(tokens, tokens[1:], strict=False))
+    assert all(not (a == b == im_end) for a, b in itertools.pairwise(tokens))
 
 
 async def test_n_two_makes_two_branches(server: RunningServer, model: str) -> None:
     client = _client(server, "two-choices")
     messages: list[Any] = [{"role": "user", "content": "Name an animal."}]
-    reply = await client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=24, temperature=1.0,
-                                                 seed=3)
+    reply = await client.chat.completions.create(
+        model=model, messages=messages, n=2, max_tokens=24, temperature=1.0, seed=3
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     prompt = _extra(reply, "prompt_token_ids")
     first, second = (_extra(c, "token_ids") for c in reply.choices)
-    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                 {"role": "user", "content": "Why that one?"}]
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "Why that one?"},
+    ]
     follow = await client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
     assert _extra(follow, "prompt_token_ids")[: len(prompt) + len(first)] == prompt + first
 
@@ -129,7 +138,9 @@ async def test_n_two_makes_two_branches(server: RunningServer, model: str) -> No
     by_length = sorted(export["branches"], key=lambda b: len(b["tokens"]))
     assert by_length[0]["tokens"] == prompt + second
     assert by_length[1]["tokens"][: len(prompt) + len(first)] == prompt + first
-    assert by_length[1]["tokens"][-len(_extra(follow.choices[0], "token_ids")) :] == _extra(follow.choices[0], "token_ids")
+    assert by_length[1]["tokens"][-len(_extra(follow.choices[0], "token_ids")) :] == _extra(
+        follow.choices[0], "token_ids"
+    )
 
 
 @pytest.mark.parametrize("way", ["base_url", "header", "body"])
@@ -143,11 +154,14 @@ async def test_each_way_of_naming_a_session_records_into_it(server: RunningServe
         client, extra = _client(server), {"extra_body": {"session_id": session}}
     messages: list[Any] = [{"role": "user", "content": "Hello"}]
     for _ in range(2):
-        reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                                     **extra)
+        reply = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0, **extra
+        )
         assert _extra(reply, "session_id") == session
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": "And then?"}]
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "And then?"},
+        ]
     summary = httpx.get(f"{server.base_url}/sessions/{session}").json()
     assert (summary["turns"], summary["branches"], summary["rewrites"]) == (2, 1, 0)
 
@@ -156,8 +170,9 @@ async def test_calls_without_a_session_each_get_their_own(server: RunningServer,
     client = _client(server)
     ids = set()
     for _ in range(2):
-        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=4)
+        reply = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
         ids.add(_extra(reply, "session_id"))
     assert len(ids) == 2
     for session in ids:
@@ -171,11 +186,13 @@ async def test_completions_take_text_or_token_prompts_and_extend_sessions(server
     assert _extra(first, "prompt_token_ids") == prompt
     ids = _extra(first.choices[0], "token_ids")
     assert first.choices[0].logprobs is not None and len(first.choices[0].logprobs.token_logprobs or []) == len(ids)
-    by_text = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
-                                              temperature=0)
+    by_text = await client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
     assert _extra(by_text.choices[0], "token_ids") == ids
-    follow = await client.completions.create(model=model, prompt=prompt + ids + _tokenize(server, prompt=" Yes."),
-                                             max_tokens=3, temperature=0)
+    follow = await client.completions.create(
+        model=model, prompt=prompt + ids + _tokenize(server, prompt=" Yes."), max_tokens=3, temperature=0
+    )
     assert follow.choices[0].finish_reason in ("stop", "length")
     export = httpx.get(f"{server.base_url}/sessions/raw/export").json()
     longest = max(export["branches"], key=lambda b: len(b["tokens"]))

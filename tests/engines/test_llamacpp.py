@@ -9,7 +9,6 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
-import pytest
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.llamacpp import LlamaCppEngine
@@ -85,8 +84,10 @@ async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, 
 
 
 async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    prompts = [renderer.prompt([{"role": "user", "content": q}], RenderOptions())
-               for q in ("Hi!", "What is 2+2?", "Tell me a joke.")]
+    prompts = [
+        renderer.prompt([{"role": "user", "content": q}], RenderOptions())
+        for q in ("Hi!", "What is 2+2?", "Tell me a joke.")
+    ]
     params = SamplingParams(temperature=0.9, max_tokens=12)
     sequential = [await _generate(engine, p, params, 3) for p in prompts]
     concurrent = await asyncio.gather(*(_generate(engine, p, params, 3) for p in prompts))

@@ -17,8 +17,15 @@ def test_greedy_takes_the_argmax_and_records_the_temperature_one_logprob() -> No
     assert logprob == pytest.approx(float(log_softmax(LOGITS.astype(np.float64))[0]))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.5),
-                                    SamplingParams(top_k=2), SamplingParams(min_p=0.2)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_p=0.5),
+        SamplingParams(top_k=2),
+        SamplingParams(min_p=0.2),
+    ],
+)
 def test_logprob_is_untruncated_and_temperature_scaled(params: SamplingParams) -> None:
     rng = np.random.default_rng(1)
     expected = log_softmax(LOGITS.astype(np.float64) / params.temperature)

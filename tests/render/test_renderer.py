@@ -39,7 +39,12 @@ def test_the_turn_close_is_derived_from_the_template(renderer: Renderer) -> None
 )
 @settings(max_examples=150, deadline=None)
 def test_bridge_is_the_templates_own_continuation(
-    renderer: Renderer, tokenizer: GGUFTokenizer, system: bool, user: str, sampled: list[int], stopped: bool,
+    renderer: Renderer,
+    tokenizer: GGUFTokenizer,
+    system: bool,
+    user: str,
+    sampled: list[int],
+    stopped: bool,
     follow: list[tuple[str, str]],
 ) -> None:
     end = tokenizer.encode(IM_END)[0]
@@ -64,7 +69,9 @@ def test_bridge_is_the_templates_own_continuation(
     assert tape.count(end) == tokenizer.encode(full).count(end)
 
 
-def test_naive_retokenisation_differs_from_the_tape_where_bpe_merges(renderer: Renderer, tokenizer: GGUFTokenizer) -> None:
+def test_naive_retokenisation_differs_from_the_tape_where_bpe_merges(
+    renderer: Renderer, tokenizer: GGUFTokenizer
+) -> None:
     """Hard case 3: sampled tokens whose text re-tokenises differently stay as sampled."""
     pieces = tokenizer.encode("unbelievable")
     split = [t for piece in ("un", "bel", "iev", "able") for t in tokenizer.encode(piece)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +26,7 @@ class Engine(Protocol):
 
     def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
-    ) -> AsyncIterator[SampledToken]:
+    ) -> AsyncGenerator[SampledToken, None]:
         """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
         (included in the stream), after `params.max_tokens`, or at the end of the context."""
         ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +74,7 @@ class LlamaCppEngine:
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
-    ) -> AsyncIterator[SampledToken]:
+    ) -> AsyncGenerator[SampledToken, None]:
         if not prompt:
             raise EngineFailure("empty prompt")
         if len(prompt) >= self.context_length:
@@ -160,7 +160,7 @@ class LlamaCppEngine:
         if shared > 0 and llama._ctx.kv_cache_seq_rm(-1, shared, -1):
             llama.n_tokens = shared
         else:
-            llama.reset()
+            llama.reset()  # type: ignore[no-untyped-call]
             shared = 0
         llama.eval(prompt[shared:])
         return self._last_logits()

@@ -27,10 +27,7 @@ def sample_token(
     raw = logits.astype(np.float64)
     greedy = params.temperature == 0.0
     logp = log_softmax(raw if greedy else raw / params.temperature)
-    if greedy:
-        token = int(np.argmax(logp))
-    else:
-        token = _draw(logp, params, rng)
+    token = int(np.argmax(logp)) if greedy else _draw(logp, params, rng)
     top: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs:
         k = params.top_logprobs

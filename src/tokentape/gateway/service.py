@@ -31,7 +31,7 @@ __all__ = ["Gateway", "ChatCall", "CompletionCall", "Started", "TextDelta", "Cho
 class ChatCall:
     messages: Sequence[Message]
     sampling: SamplingParams
-    options: RenderOptions = RenderOptions()
+    options: RenderOptions = dataclasses.field(default_factory=RenderOptions)
     session_id: str | None = None
     rewrite_policy: RewritePolicy | None = None
 
@@ -198,6 +198,7 @@ class Gateway:
         assembler = TextAssembler()
         stops = StopStringFilter(sampling.stop)
         finish: FinishReason = "abort"
+        completed = False
         stop_ids = self._end_of_turn | frozenset(sampling.stop_token_ids)
         try:
             stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
@@ -219,11 +220,12 @@ class Gateway:
             tail = stops.feed(assembler.finish()) + stops.finish()
             if tail:
                 text_parts.append(tail)
+            completed = True
             if tail or pending:
                 yield TextDelta(index, tail, pending)
         finally:
             # Record even a cut-short generation: every sampled token stays on the tape.
-            if tokens or finish != "abort":
+            if tokens or completed:
                 node = plan.session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in tokens],
@@ -248,4 +250,3 @@ def _strict_message(rewrite: Rewrite) -> str:
         f"this session's rewrite policy is strict and the request rewrites its history at message "
         f"{rewrite.at_message}: {rewrite.detail}"
     )
-

@@ -81,7 +81,7 @@ class Renderer:
         new = list(messages[reply_index + 1 :])
         reply = dict(anchor[-1])
         reply["content"] = REPLY_SENTINEL
-        rendered = self._render(anchor[:-1] + [reply] + new, True, options)
+        rendered = self._render([*anchor[:-1], reply, *new], True, options)
         after = text_after_reply(rendered, self.turn_close)
         stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
         text = remaining_close(self.turn_close, stop_text) + after

@@ -13,7 +13,7 @@ from tokentape.errors import InvalidRequest
 
 # transformers warns at import that PyTorch is absent; only its template renderer is used here.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+from transformers.utils.chat_template_utils import render_jinja_template
 
 __all__ = ["ChatTemplate"]
 
@@ -39,7 +39,7 @@ class ChatTemplate:
         kwargs.setdefault("bos_token", self.bos_token)
         kwargs.setdefault("eos_token", self.eos_token)
         try:
-            rendered, _ = render_jinja_template(
+            result: Any = render_jinja_template(
                 conversations=[[dict(m) for m in messages]],
                 tools=[dict(t) for t in tools] if tools else None,
                 chat_template=self.source,
@@ -50,5 +50,5 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the messages could not be rendered: {exc}", param="messages") from exc
-        text: str = rendered[0]
+        text: str = result[0][0]
         return text

@@ -76,6 +76,22 @@ def _stop(value: str | list[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The one prompt of a request: text or token IDs, possibly wrapped in a list of one."""
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(item, int) for item in prompt):
+        return [item for item in prompt if isinstance(item, int)]
+    if len(prompt) != 1:
+        raise InvalidRequest("send one prompt per request", param="prompt")
+    (only,) = prompt
+    if isinstance(only, str):
+        return only
+    if isinstance(only, list):
+        return [item for item in only if isinstance(item, int)]
+    raise InvalidRequest("the prompt must be text or token IDs", param="prompt")
+
+
 def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
@@ -88,8 +104,11 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_id:
-            raise NotFound(f"the model '{name}' does not exist; this server serves '{model_id}'", param="model",
-                           code="model_not_found")
+            raise NotFound(
+                f"the model '{name}' does not exist; this server serves '{model_id}'",
+                param="model",
+                code="model_not_found",
+            )
 
     async def sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         try:
@@ -148,13 +167,15 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             produced = 0
             async for event in events:
                 if isinstance(event, TextDelta):
-                    yield wire.chat_chunk(event.index, text=event.text, tokens=event.tokens, top=top,
-                                          first=event.index not in opened)
+                    yield wire.chat_chunk(
+                        event.index, text=event.text, tokens=event.tokens, top=top, first=event.index not in opened
+                    )
                     opened.add(event.index)
                 elif isinstance(event, ChoiceDone):
                     produced += len(event.tokens)
-                    yield wire.chat_chunk(event.index, finish_reason=event.finish_reason,
-                                          first=event.index not in opened)
+                    yield wire.chat_chunk(
+                        event.index, finish_reason=event.finish_reason, first=event.index not in opened
+                    )
                     opened.add(event.index)
             if include_usage:
                 yield wire.usage_chunk(produced, "chat.completion.chunk")
@@ -165,12 +186,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
     async def completions(request: Request) -> Response:
         req, _ = await _parse(request, CompletionRequest)
         check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequest("send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        assert isinstance(prompt, (str, list))
+        prompt = _single_prompt(req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequest("logprobs must be between 0 and 5 for completions", param="logprobs")
         sampling = SamplingParams(
@@ -246,7 +262,9 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             messages = [flatten_text_parts(m) for m in raw["messages"]]
             options = RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs)
             text = gateway.renderer.template.render(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=options.tools,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                tools=options.tools,
                 template_kwargs=options.template_kwargs,
             )
             tokens = tokenizer.encode(text)
@@ -281,8 +299,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
         if policy is not None and not isinstance(policy, str):
             raise InvalidRequest("rewrite_policy must be a string", param="rewrite_policy")
         if session_id is not None and gateway.sessions.exists(check_session_id(session_id)):
-            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id",
-                                 code="session_exists")
+            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         session = gateway.sessions.open(session_id, check_policy(policy) if policy is not None else None)
         return session.summary()
 

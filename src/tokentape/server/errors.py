@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-import orjson
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
@@ -18,9 +18,15 @@ __all__ = ["error_body", "error_response", "install_error_handlers", "invalid_fr
 
 log = logging.getLogger("tokentape.server")
 
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-                 429: "rate_limit_error"}
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def json_response(body: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -47,7 +47,11 @@ class WireBuilder:
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt = len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
     # -- chat ------------------------------------------------------------------------------------
     def chat_completion(self, choices: Sequence[ChoiceDone], top: int) -> dict[str, Any]:
@@ -136,7 +140,12 @@ class WireBuilder:
         }
 
     def completion_chunk(
-        self, index: int, text: str, tokens: Sequence[SampledToken], top: int | None, finish_reason: str | None,
+        self,
+        index: int,
+        text: str,
+        tokens: Sequence[SampledToken],
+        top: int | None,
+        finish_reason: str | None,
         first: bool,
     ) -> dict[str, Any]:
         chunk: dict[str, Any] = {
