@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tokentape.core.messages import Message, chain_of, hash_chain
 from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request
 from tokentape.core.tape import Origin, RewritePolicy, TurnNode
 
@@ -28,20 +29,25 @@ def record(
         sampled=list(sampled),
         logprobs=[-0.5] * len(sampled),
         finish_reason="stop",
-        prompt_messages=messages,
+        prompt_chain=chain_of(messages),
+        prompt_length=len(messages),
         reply=reply,
     )
 
 
+def plan(tree: SessionTree, messages: list[Message]) -> Extend | Fresh:
+    return plan_request(tree, messages, list(hash_chain(messages)))
+
+
 def test_a_first_request_renders_a_fresh_prompt() -> None:
-    assert plan_request(SessionTree("s"), [SYSTEM, USER]) == Fresh(None, None)
+    assert plan(SessionTree("s"), [SYSTEM, USER]) == Fresh(None, None)
 
 
 def test_a_request_that_echoes_the_reply_extends_that_turn() -> None:
     tree = SessionTree("s")
     node = record(tree, None, [SYSTEM, USER], {"role": "assistant", "content": "Go to Rome."})
     echoed = [SYSTEM, USER, {"role": "assistant", "content": "Go to Rome."}, {"role": "user", "content": "Why?"}]
-    assert plan_request(tree, echoed) == Extend(node, 3, None)
+    assert plan(tree, echoed) == Extend(node, 3, None)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +77,7 @@ def test_echoes_are_recognised_however_the_agent_reserialises_them(
     tree = SessionTree("s")
     node = record(tree, None, [USER], {"role": "assistant", **sent})
     request = [USER, {"role": "assistant", **echoed}, {"role": "user", "content": "Next."}]
-    assert plan_request(tree, request) == Extend(node, 2, None)
+    assert plan(tree, request) == Extend(node, 2, None)
 
 
 def test_tool_call_arguments_that_differ_in_value_are_not_the_same_reply() -> None:
@@ -80,7 +86,7 @@ def test_tool_call_arguments_that_differ_in_value_are_not_the_same_reply() -> No
         tree, None, [USER], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
     )
     request = [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 2}'}}]}]
-    decision = plan_request(tree, [*request, {"role": "tool", "content": "3"}])
+    decision = plan(tree, [*request, {"role": "tool", "content": "3"}])
     assert decision.rewrite is not None and decision.rewrite.kind == "assistant_edited"
 
 
@@ -88,8 +94,8 @@ def test_each_of_n_siblings_can_be_continued() -> None:
     tree = SessionTree("s")
     first = record(tree, None, [USER], {"role": "assistant", "content": "A"})
     second = record(tree, None, [USER], {"role": "assistant", "content": "B"})
-    assert plan_request(tree, [USER, {"role": "assistant", "content": "A"}, USER]) == Extend(first, 2, None)
-    assert plan_request(tree, [USER, {"role": "assistant", "content": "B"}, USER]) == Extend(second, 2, None)
+    assert plan(tree, [USER, {"role": "assistant", "content": "A"}, USER]) == Extend(first, 2, None)
+    assert plan(tree, [USER, {"role": "assistant", "content": "B"}, USER]) == Extend(second, 2, None)
 
 
 def test_the_deepest_recorded_turn_wins() -> None:
@@ -98,9 +104,9 @@ def test_the_deepest_recorded_turn_wins() -> None:
     history = [USER, {"role": "assistant", "content": "A"}, {"role": "user", "content": "more"}]
     two = record(tree, one, history, {"role": "assistant", "content": "B"})
     request = [*history, {"role": "assistant", "content": "B"}, {"role": "user", "content": "end"}]
-    assert plan_request(tree, request) == Extend(two, 4, None)
+    assert plan(tree, request) == Extend(two, 4, None)
     # a retry of the second user turn with other words branches from the first turn
-    assert plan_request(tree, [*history[:2], {"role": "user", "content": "other"}]) == Extend(one, 2, None)
+    assert plan(tree, [*history[:2], {"role": "user", "content": "other"}]) == Extend(one, 2, None)
 
 
 @pytest.mark.parametrize("policy", ["tape", "fork", "strict"])
@@ -108,7 +114,7 @@ def test_an_edited_reply_is_a_rewrite_handled_by_the_policy(policy: RewritePolic
     tree = SessionTree("s", policy)
     node = record(tree, None, [SYSTEM, USER], {"role": "assistant", "content": "Go to Rome."})
     edited = [SYSTEM, USER, {"role": "assistant", "content": "Go to Paris."}, {"role": "user", "content": "Why?"}]
-    decision = plan_request(tree, edited)
+    decision = plan(tree, edited)
     assert decision.rewrite is not None
     assert (decision.rewrite.kind, decision.rewrite.at_message, decision.rewrite.policy) == (
         "assistant_edited",
@@ -124,7 +130,7 @@ def test_an_edited_reply_is_a_rewrite_handled_by_the_policy(policy: RewritePolic
 def test_an_unrelated_conversation_is_a_new_root_not_a_rewrite() -> None:
     tree = SessionTree("s")
     record(tree, None, [SYSTEM, USER], {"role": "assistant", "content": "Go to Rome."})
-    assert plan_request(tree, [SYSTEM, {"role": "user", "content": "Something else."}]) == Fresh(None, None)
+    assert plan(tree, [SYSTEM, {"role": "user", "content": "Something else."}]) == Fresh(None, None)
 
 
 def test_fork_point_shares_the_longest_token_prefix() -> None:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokentape.core.export import export_session
+from tokentape.core.messages import EMPTY_CHAIN, chain_of
 from tokentape.core.session import NewTurn, SessionTree
 from tokentape.core.tape import BranchView, Origin, TurnNode, path_tokens
 
@@ -46,7 +47,8 @@ def grown_trees(draw: st.DrawFn) -> tuple[SessionTree, list[tuple[TurnNode, list
             sampled=sampled,
             logprobs=logprobs,
             finish_reason=finish,
-            prompt_messages=[{"role": "user", "content": str(step)}],
+            prompt_chain=chain_of([{"role": "user", "content": str(step)}]),
+            prompt_length=1,
             reply={"role": "assistant", "content": f"r{step}"},
         )
         prompts.append((node, prompt))
@@ -111,7 +113,15 @@ def test_a_node_rejects_logprobs_that_do_not_match_its_tokens() -> None:
     tree = SessionTree("s")
     turn = NewTurn(None, 0, (1, 2), Origin.PROMPT, None)
     try:
-        tree.attach(turn, sampled=[5, 6], logprobs=[-0.1], finish_reason="stop", prompt_messages=[], reply={})
+        tree.attach(
+            turn,
+            sampled=[5, 6],
+            logprobs=[-0.1],
+            finish_reason="stop",
+            prompt_chain=EMPTY_CHAIN,
+            prompt_length=0,
+            reply={},
+        )
     except ValueError as exc:
         assert "logprob" in str(exc)
     else:

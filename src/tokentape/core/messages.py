@@ -16,7 +16,17 @@ import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Message", "canonical_message", "hash_chain", "chain_step", "flatten_text_parts", "EMPTY_CHAIN"]
+import orjson
+
+__all__ = [
+    "EMPTY_CHAIN",
+    "Message",
+    "canonical_message",
+    "chain_of",
+    "chain_step",
+    "flatten_text_parts",
+    "hash_chain",
+]
 
 Message = Mapping[str, Any]
 
@@ -58,9 +68,20 @@ def canonical_message(message: Message) -> dict[str, Any]:
 
 def chain_step(previous: bytes, message: Message) -> bytes:
     """The chain hash after appending `message` to a prefix whose chain hash is `previous`."""
-    # json, not orjson: it accepts integers past 64 bits and lone surrogates, which agents do send.
-    payload = json.dumps(canonical_message(message), sort_keys=True, default=str).encode()
+    canonical = canonical_message(message)
+    try:
+        payload = orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # integers past 64 bits in parsed tool arguments: json takes them
+        payload = json.dumps(canonical, sort_keys=True, default=str).encode()
     return hashlib.blake2b(previous + payload, digest_size=16).digest()
+
+
+def chain_of(messages: Sequence[Message]) -> bytes:
+    """The chain hash of a whole message list."""
+    current = EMPTY_CHAIN
+    for message in messages:
+        current = chain_step(current, message)
+    return current
 
 
 def hash_chain(messages: Sequence[Message], start: bytes = EMPTY_CHAIN) -> Iterator[bytes]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokentape.core.messages import EMPTY_CHAIN, Message, hash_chain
+from tokentape.core.messages import Message, chain_step
 from tokentape.core.tape import (
     BranchView,
     FinishReason,
@@ -99,16 +99,19 @@ class SessionTree:
         }
 
     # -- finding a request's place -----------------------------------------------------------------
-    def locate(self, messages: Sequence[Message]) -> tuple[TurnNode | None, int, TurnNode | None, int]:
+    def locate(
+        self, messages: Sequence[Message], chains: Sequence[bytes]
+    ) -> tuple[TurnNode | None, int, TurnNode | None, int]:
         """Longest recorded turn the request extends, and the deepest turn whose reply it edited.
 
+        `chains` are the chain hashes of the request's message prefixes (`messages.hash_chain`).
         Returns (extended node, messages it covers, edited node, index of the edited reply).
         """
         extended: TurnNode | None = None
         covered = 0
         edited: TurnNode | None = None
         edited_at = -1
-        for i, chain in enumerate(hash_chain(messages), start=1):
+        for i, chain in enumerate(chains, start=1):
             if (node := self._by_chain.get(chain)) is not None:
                 extended, covered = node, i
             candidate = self._by_prompt_chain.get(chain)
@@ -126,12 +129,11 @@ class SessionTree:
         sampled: Sequence[int],
         logprobs: Sequence[float],
         finish_reason: FinishReason,
-        prompt_messages: Sequence[Message],
+        prompt_chain: bytes,
+        prompt_length: int,
         reply: Message,
     ) -> TurnNode:
-        """Record one generation under `turn.parent`."""
-        chains = list(hash_chain([*prompt_messages, reply]))
-        prompt_chain = chains[-2] if len(chains) > 1 else EMPTY_CHAIN
+        """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
             id=len(self.nodes),
             parent=turn.parent,
@@ -143,8 +145,8 @@ class SessionTree:
             finish_reason=finish_reason,
             depth=0 if turn.parent is None else turn.parent.depth + 1,
             prompt_chain=prompt_chain,
-            chain=chains[-1],
-            message_count=len(chains),
+            chain=chain_step(prompt_chain, reply),
+            message_count=prompt_length + 1,
             rewrite=turn.rewrite,
         )
         if turn.parent is not None:
@@ -166,13 +168,14 @@ class SessionTree:
         return parent, shared if parent is not None else 0
 
 
-def plan_request(tree: SessionTree, messages: Sequence[Message]) -> Extend | Fresh:
-    """Decide, from message identity alone, how a request continues the tree.
+def plan_request(tree: SessionTree, messages: Sequence[Message], chains: Sequence[bytes]) -> Extend | Fresh:
+    """Decide, from message identity alone, how a request continues the tree (`chains`: the chain
+    hashes of the request's message prefixes).
 
     Raises nothing: the strict policy is applied by the caller, which also learns of template
     rewrites only when it renders the bridge.
     """
-    extended, covered, edited, edited_at = tree.locate(messages)
+    extended, covered, edited, edited_at = tree.locate(messages, chains)
     if edited is not None:
         rewrite = Rewrite(
             kind="assistant_edited",

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokentape.core.messages import Message
+from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step, hash_chain
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.session import Extend, Fresh, NewTurn, plan_request
 from tokentape.core.tape import FinishReason, Origin, Rewrite, RewritePolicy, TurnNode, path_tokens
@@ -74,7 +74,8 @@ class _Plan:
     session: Session
     turn: NewTurn
     prompt: list[int]
-    recorded_messages: Sequence[Message]
+    prompt_chain: bytes  # chain hash of the request's messages
+    prompt_length: int  # how many messages the request had
 
 
 class Gateway:
@@ -98,7 +99,8 @@ class Gateway:
         tree = session.tree
         if not call.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        decision = plan_request(tree, call.messages)
+        chains = list(hash_chain(call.messages))
+        decision = plan_request(tree, call.messages, chains)
         if decision.rewrite is not None and tree.policy == "strict":
             raise Conflict(_strict_message(decision.rewrite), param="messages", code="rewrite_rejected")
         if isinstance(decision, Extend):
@@ -118,21 +120,22 @@ class Gateway:
                 if tree.policy == "strict":
                     raise Conflict(_strict_message(rewrite), param="messages", code="rewrite_rejected")
                 if tree.policy == "fork":
-                    return await self._plan_fresh(session, call, Fresh(node, rewrite))
+                    return await self._plan_fresh(session, call, Fresh(node, rewrite), chains[-1])
             turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
-            return _Plan(session, turn, path_tokens(node) + bridge.tokens, call.messages)
-        return await self._plan_fresh(session, call, decision)
+            return _Plan(session, turn, path_tokens(node) + bridge.tokens, chains[-1], len(chains))
+        return await self._plan_fresh(session, call, decision, chains[-1])
 
-    async def _plan_fresh(self, session: Session, call: ChatCall, decision: Fresh) -> _Plan:
+    async def _plan_fresh(self, session: Session, call: ChatCall, decision: Fresh, chain: bytes) -> _Plan:
         tokens = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
+        count = len(call.messages)
         if decision.fork_from is None:
-            return _Plan(session, NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, call.messages)
+            return _Plan(session, NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, chain, count)
         parent, shared = session.tree.fork_point(decision.fork_from, tokens)
         rewrite = decision.rewrite
         if rewrite is not None:
             rewrite = dataclasses.replace(rewrite, at_token=shared)
         turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite)
-        return _Plan(session, turn, tokens, call.messages)
+        return _Plan(session, turn, tokens, chain, count)
 
     def _stop_token(self, node: TurnNode) -> int | None:
         """The end-of-turn token a turn ended on, if it ended on one."""
@@ -157,9 +160,10 @@ class Gateway:
             parent = _deepest_prefix_node(session.tree.nodes, prompt)
             keep = parent.end if parent is not None else 0
             turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
-            raw = {"role": "_completion", "content": prompt}
+            # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
+            chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
             session.requests += 1
-        async for event in self._run(_Plan(session, turn, prompt, [raw]), call.sampling):
+        async for event in self._run(_Plan(session, turn, prompt, chain, 1), call.sampling):
             yield event
 
     # -- shared --------------------------------------------------------------------------------------
@@ -231,7 +235,8 @@ class Gateway:
                     sampled=[t.token_id for t in tokens],
                     logprobs=[t.logprob for t in tokens],
                     finish_reason=finish,
-                    prompt_messages=plan.recorded_messages,
+                    prompt_chain=plan.prompt_chain,
+                    prompt_length=plan.prompt_length,
                     reply={"role": "assistant", "content": "".join(text_parts)},
                 )
         yield ChoiceDone(index, "".join(text_parts), tokens, finish, node.id)

@@ -1,0 +1,117 @@
+"""Per-turn gateway CPU time against history length, beside re-rendering the whole history.
+
+tokentape renders and tokenizes only the new messages (anchored on the last reply) and finds the
+recorded prefix by a hash chain; the reference method (what the published gateways do) renders the
+whole conversation with the chat template and tokenizes it again every turn. The engine is a
+scripted instant one, so the figures are the gateway's own work. CPU time (all threads), median of
+several turns at each length.
+
+    python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from tokentape.core.messages import chain_of
+from tokentape.core.sampling import SamplingParams
+from tokentape.core.session import NewTurn
+from tokentape.core.tape import Origin
+from tokentape.engines.scripted import ScriptedEngine
+from tokentape.gateway.service import ChatCall, Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer, RenderOptions
+from tokentape.render.template import ChatTemplate
+from tokentape.render.tokenizer import GGUFTokenizer
+from tokentape.runtime import embedded_model_path
+
+WORDS = ("the model reads a long history of tool calls and answers with care while the trainer waits").split(" ")
+OPTIONS = RenderOptions()
+
+
+def _text(turn: int, words: int) -> str:
+    return " ".join(WORDS[(turn * 7 + i) % len(WORDS)] for i in range(words)) + f" ({turn})."
+
+
+def build_history(gateway: Gateway, session_id: str, target_tokens: int) -> list[dict[str, Any]]:
+    """Record a conversation of about `target_tokens` tokens straight into a session's tree."""
+    renderer = gateway.renderer
+    end = next(iter(t for t in renderer.tokenizer.encode("<|im_end|>")))
+    session = gateway.sessions.open(session_id)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
+    node = None
+    turn = 0
+    while node is None or node.end < target_tokens:
+        messages.append({"role": "user", "content": _text(turn, 60)})
+        if node is None:
+            context = renderer.prompt(messages, OPTIONS)
+            new_turn = NewTurn(None, 0, tuple(context), Origin.PROMPT, None)
+        else:
+            stop = node.sampled[-1]
+            bridge = renderer.bridge(messages, len(messages) - 2, stop, OPTIONS)
+            new_turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, None)
+        reply = _text(turn + 1, 90)
+        sampled = [*renderer.tokenizer.encode(reply), end]
+        node = session.tree.attach(
+            new_turn,
+            sampled=sampled,
+            logprobs=[-1.0] * len(sampled),
+            finish_reason="stop",
+            prompt_chain=chain_of(messages),
+            prompt_length=len(messages),
+            reply={"role": "assistant", "content": reply},
+        )
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+    messages.append({"role": "user", "content": "What next?"})
+    return messages
+
+
+async def gateway_turn(gateway: Gateway, session_id: str, messages: list[dict[str, Any]]) -> float:
+    start = time.process_time()
+    call = ChatCall(messages=messages, sampling=SamplingParams(max_tokens=2), session_id=session_id)
+    async for _ in gateway.chat(call):
+        pass
+    return time.process_time() - start
+
+
+def full_rerender_turn(renderer: Renderer, messages: list[dict[str, Any]]) -> float:
+    start = time.process_time()
+    renderer.tokenizer.encode(renderer.template.render(messages, add_generation_prompt=True))
+    return time.process_time() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 8_000, 32_000, 128_000])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    tokenizer = GGUFTokenizer(embedded_model_path())
+    template = ChatTemplate(
+        tokenizer.metadata["tokenizer.chat_template"],
+        bos_token=tokenizer.token_name("tokenizer.ggml.bos_token_id"),
+        eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
+    )
+    renderer = Renderer(template, tokenizer)
+    end = tokenizer.encode("<|im_end|>")[0]
+    gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
+
+    print("model: SmolLM2-135M-Instruct (embedded GGUF tokenizer and chat template)")
+    print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
+    for length in args.lengths:
+        session_id = f"bench-{length}"
+        messages = build_history(gateway, session_id, length)
+        actual = len(renderer.prompt(messages, OPTIONS))
+        ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
+        theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
+        ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+        print(f"{actual:>15,} {ours_ms:>18.2f} {theirs_ms:>23.2f} {theirs_ms / ours_ms:>7.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""A scripted engine: an instrument for tests and benchmarks that must exclude real inference.
+
+It answers instantly with a fixed token script (then an end-of-turn token), logprob -1.0 each.
+Never used by `tokentape serve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import SampledToken
+
+__all__ = ["ScriptedEngine"]
+
+
+class ScriptedEngine:
+    def __init__(self, script: Sequence[int], end_of_turn: int, *, context_length: int = 1 << 20) -> None:
+        self.script = list(script)
+        self.end_of_turn = end_of_turn
+        self.model_id = "scripted"
+        self.context_length = context_length
+        self.calls = 0
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+    ) -> AsyncGenerator[SampledToken, None]:
+        self.calls += 1
+        tokens = [*self.script, self.end_of_turn]
+        if params.max_tokens is not None:
+            tokens = tokens[: params.max_tokens]
+        for token in tokens:
+            yield SampledToken(token, -1.0)
+
+    async def close(self) -> None:
+        return None
