@@ -29,7 +29,25 @@ from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
 from tokentape.runtime import embedded_model_path
 
-WORDS = ["the", "model", "reads", "a", "long", "history", "of", "tool", "calls", "and", "answers", "with", "care", "while", "the", "trainer", "waits"]
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "a",
+    "long",
+    "history",
+    "of",
+    "tool",
+    "calls",
+    "and",
+    "answers",
+    "with",
+    "care",
+    "while",
+    "the",
+    "trainer",
+    "waits",
+]
 OPTIONS = RenderOptions()
 
 
