@@ -7,7 +7,10 @@ what the session export holds, turn after turn, including streamed and truncated
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -212,3 +215,17 @@ async def test_models_health_tokenize_and_session_routes(server: RunningServer, 
     assert {"five-turns", "two-choices"} <= listed
     assert httpx.delete(f"{base}/sessions/two-choices").json()["deleted"] is True
     assert httpx.get(f"{base}/sessions/two-choices").status_code == 404
+
+
+def test_the_plain_sdk_example_records_its_episode(server: RunningServer) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "openai_sdk_agent.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--base", server.base_url, "--episode", "example-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "training data:" in done.stdout
+    summary = httpx.get(f"{server.base_url}/sessions/example-run").json()
+    assert (summary["turns"], summary["branches"], summary["rewrites"]) == (2, 1, 0)
