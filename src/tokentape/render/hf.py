@@ -1,0 +1,130 @@
+"""Hugging Face model directories: `tokenizer.json` (through `tokenizers`) with the chat template and
+special tokens of `tokenizer_config.json` / `chat_template.jinja` / `generation_config.json`."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from tokentape.errors import NotFound
+from tokentape.render.template import ChatTemplate
+
+__all__ = ["HFTokenizer", "load_model_dir", "END_OF_TURN_NAMES"]
+
+# Tokens that end a turn in the families tokentape knows; any that a vocabulary has stop generation.
+END_OF_TURN_NAMES = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<｜end▁of▁sentence｜>",
+    "<|user|>",
+    "<|observation|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, inverted (what ByteLevel decoding undoes)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer behind the `Tokenizer` protocol."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, end_of_turn: Iterable[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {token_id: token.content for token_id, token in added.items()}
+        self._control = frozenset(token_id for token_id, token in added.items() if token.special)
+        named = {tokenizer.token_to_id(name) for name in END_OF_TURN_NAMES}
+        self.end_of_turn_ids = frozenset(t for t in {*named, *end_of_turn} if t is not None)
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = "ByteLevel" in json.dumps(decoder)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    @functools.lru_cache(maxsize=262144)  # noqa: B019 - bounded; tokenizers live as long as the server
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return b"" if token_id in self._control else self._added[token_id].encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_decoder()
+            return bytes(table[c] for c in piece if c in table)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
+    def special_text(self, token_id: int) -> str:
+        return self._added.get(token_id) or self._tokenizer.id_to_token(token_id) or ""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", "replace")
+
+
+def _token_content(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return str(value.get("content", ""))
+    return str(value) if value else ""
+
+
+def _template_source(directory: Path, config: Mapping[str, Any]) -> str:
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if not isinstance(template, str) or not template:
+        raise NotFound(f"{directory} has no chat template (chat_template.jinja or tokenizer_config.json)")
+    return template
+
+
+def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
+    """The chat template and tokenizer of a local model directory (no network)."""
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise NotFound(f"{directory} has no tokenizer.json")
+    config_file = directory / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    end_of_turn: set[int] = set()
+    eos = _token_content(config.get("eos_token"))
+    if eos and (eos_id := backend.token_to_id(eos)) is not None:
+        end_of_turn.add(eos_id)
+    generation_file = directory / "generation_config.json"
+    if generation_file.is_file():
+        ids = json.loads(generation_file.read_text()).get("eos_token_id")
+        end_of_turn.update([ids] if isinstance(ids, int) else ids or [])
+    template = ChatTemplate(
+        _template_source(directory, config),
+        bos_token=_token_content(config.get("bos_token")),
+        eos_token=eos,
+    )
+    return template, HFTokenizer(backend, end_of_turn=end_of_turn)
