@@ -66,11 +66,11 @@ def build_history(gateway: Gateway, session_id: str, target_tokens: int) -> list
     while node is None or node.end < target_tokens:
         messages.append({"role": "user", "content": _text(turn, 60)})
         if node is None:
-            context = renderer.prompt(messages, OPTIONS)
+            context = renderer.prompt(messages, OPTIONS).tokens
             new_turn = NewTurn(None, 0, tuple(context), Origin.PROMPT, None)
         else:
             stop = node.sampled[-1]
-            bridge = renderer.bridge(messages, len(messages) - 2, stop, OPTIONS)
+            bridge = renderer.bridge(messages, len(messages) - 2, node.reply, stop, OPTIONS)
             new_turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, None)
         reply = _text(turn + 1, 90)
         sampled = [*renderer.tokenizer.encode(reply), end]
@@ -99,7 +99,7 @@ async def gateway_turn(gateway: Gateway, session_id: str, messages: list[dict[st
 
 def full_rerender_turn(renderer: Renderer, messages: list[dict[str, Any]]) -> float:
     start = time.process_time()
-    renderer.tokenizer.encode(renderer.template.render(messages, add_generation_prompt=True))
+    renderer.tokenizer.encode(renderer.render_text(messages, True, OPTIONS))
     return time.process_time() - start
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     for length in args.lengths:
         session_id = f"bench-{length}"
         messages = build_history(gateway, session_id, length)
-        actual = len(renderer.prompt(messages, OPTIONS))
+        actual = len(renderer.prompt(messages, OPTIONS).tokens)
         ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
         theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
         ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3

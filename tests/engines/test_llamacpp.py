@@ -46,7 +46,7 @@ async def test_recorded_logprobs_equal_a_fresh_forward_pass(
     """What a trainer recomputes from logits / T matches what was recorded at sampling time: exactly
     when replayed token by token as sampled, and within llama.cpp's batch-size numerics (a batched
     matmul of the quantized weights rounds differently) when the sequence is evaluated in one pass."""
-    prompt = renderer.prompt(QUESTION, RenderOptions())
+    prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     params = SamplingParams(temperature=0.8, max_tokens=24)
     samples = [s async for s in engine.generate(prompt, params, seed=11)]
     sequence = prompt + [s.token_id for s in samples]
@@ -58,7 +58,7 @@ async def test_recorded_logprobs_equal_a_fresh_forward_pass(
 
 
 async def test_a_seed_reproduces_the_same_tokens(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    prompt = renderer.prompt(QUESTION, RenderOptions())
+    prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     params = SamplingParams(temperature=1.0, max_tokens=16)
     first = await _generate(engine, prompt, params, 5)
     assert await _generate(engine, prompt, params, 5) == first
@@ -67,7 +67,7 @@ async def test_a_seed_reproduces_the_same_tokens(engine: LlamaCppEngine, rendere
 
 
 async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    prompt = renderer.prompt(QUESTION, RenderOptions())
+    prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     stream = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=400, stop_token_ids=()), seed=1)
     async with contextlib.aclosing(stream):
         seen = 0
@@ -85,7 +85,7 @@ async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, 
 
 async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngine, renderer: Renderer) -> None:
     prompts = [
-        renderer.prompt([{"role": "user", "content": q}], RenderOptions())
+        renderer.prompt([{"role": "user", "content": q}], RenderOptions()).tokens
         for q in ("Hi!", "What is 2+2?", "Tell me a joke.")
     ]
     params = SamplingParams(temperature=0.9, max_tokens=12)
@@ -95,7 +95,7 @@ async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngi
 
 
 async def test_generation_leaves_the_event_loop_free(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    prompt = renderer.prompt(QUESTION, RenderOptions())
+    prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     gaps: list[float] = []
     done = asyncio.Event()
 

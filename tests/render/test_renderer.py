@@ -54,11 +54,11 @@ def test_bridge_is_the_templates_own_continuation(
     messages = _conversation(system, user, reply, new)
     reply_index = len(messages) - len(new) - 1
 
-    prompt = renderer.prompt(messages[:reply_index], OPTIONS)
-    bridge = renderer.bridge(messages, reply_index, end if stopped else None, OPTIONS)
+    prompt = renderer.prompt(messages[:reply_index], OPTIONS).tokens
+    bridge = renderer.bridge(messages, reply_index, messages[reply_index], end if stopped else None, OPTIONS)
 
-    full = renderer.template.render(messages, add_generation_prompt=True)
-    before = renderer.template.render(messages[:reply_index], add_generation_prompt=True)
+    full = renderer.render_text(messages, True, OPTIONS)
+    before = renderer.render_text(messages[:reply_index], True, OPTIONS)
     expected = full[len(before) + len(reply) + (len(IM_END) if stopped else 0) :]
     assert bridge.text == expected
     assert bridge.tokens == tokenizer.encode(expected)
@@ -78,8 +78,8 @@ def test_naive_retokenisation_differs_from_the_tape_where_bpe_merges(
     assert split != pieces and tokenizer.decode(split) == tokenizer.decode(pieces)
     messages = _conversation(False, "Say it.", tokenizer.decode(split), [{"role": "user", "content": "Again."}])
     end = tokenizer.encode(IM_END)[0]
-    prompt = renderer.prompt(messages[:1], OPTIONS)
-    tape = prompt + split + [end] + renderer.bridge(messages, 1, end, OPTIONS).tokens
+    prompt = renderer.prompt(messages[:1], OPTIONS).tokens
+    tape = prompt + split + [end] + renderer.bridge(messages, 1, messages[1], end, OPTIONS).tokens
     naive = tokenizer.encode(renderer.template.render(messages, add_generation_prompt=True))
     assert tape != naive
     assert len(tape) == len(naive) - len(pieces) + len(split)
@@ -87,7 +87,7 @@ def test_naive_retokenisation_differs_from_the_tape_where_bpe_merges(
 
 def test_a_truncated_reply_gets_its_whole_close_bridged(renderer: Renderer, tokenizer: GGUFTokenizer) -> None:
     messages = _conversation(False, "Count.", "one two thr", [{"role": "user", "content": "Go on."}])
-    bridge = renderer.bridge(messages, 1, None, OPTIONS)
+    bridge = renderer.bridge(messages, 1, messages[1], None, OPTIONS)
     assert bridge.text == "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
     assert bridge.tokens[0] == tokenizer.encode(IM_END)[0]
 
@@ -99,6 +99,6 @@ def test_bridge_cost_does_not_depend_on_the_history(renderer: Renderer) -> None:
     for i in range(200):
         long_history += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
     long = [*long_history, *short[1:]]
-    a = renderer.bridge(short, 2, None, OPTIONS)
-    b = renderer.bridge(long, len(long) - 2, None, OPTIONS)
+    a = renderer.bridge(short, 2, short[2], None, OPTIONS)
+    b = renderer.bridge(long, len(long) - 2, long[-2], None, OPTIONS)
     assert a.tokens == b.tokens

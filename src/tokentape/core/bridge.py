@@ -7,7 +7,7 @@ part of this text: the bridge starts where sampling stopped.
 
 from __future__ import annotations
 
-__all__ = ["REPLY_SENTINEL", "turn_close_after", "remaining_close", "text_after_reply"]
+__all__ = ["REPLY_SENTINEL", "turn_close_after", "strip_sampled_stop", "text_after_reply"]
 
 # Plain ASCII so that templates which trim or escape content leave it intact.
 REPLY_SENTINEL = "TOKENTAPEREPLYSENTINEL7Q"
@@ -21,16 +21,18 @@ def turn_close_after(rendered: str, sentinel: str = REPLY_SENTINEL) -> str:
     return rendered[at + len(sentinel) :]
 
 
-def remaining_close(close: str, stop_text: str | None) -> str:
-    """The part of the turn close the engine did not sample.
+def strip_sampled_stop(text: str, stop_text: str | None) -> str:
+    """What follows sampled tokens: `text` (turn close + next messages) minus the part the engine
+    already sampled.
 
     `stop_text` is the text of the end-of-turn token the engine sampled last, or None when the turn
     ended otherwise (length, stop string, abort). A close that starts with that token is completed,
-    never repeated; any other ending gets the whole close.
+    never repeated (ChatML: `<|im_end|>` sampled, `\n` bridged); a stop token that is also the next
+    role's opener (GLM's `<|user|>`) is not rendered twice; any other ending gets everything.
     """
-    if stop_text and close.startswith(stop_text):
-        return close[len(stop_text) :]
-    return close
+    if stop_text and text.startswith(stop_text):
+        return text[len(stop_text) :]
+    return text
 
 
 def text_after_reply(rendered: str, close: str, sentinel: str = REPLY_SENTINEL) -> str:

@@ -147,6 +147,7 @@ class SessionTree:
             prompt_chain=prompt_chain,
             chain=chain_step(prompt_chain, reply),
             message_count=prompt_length + 1,
+            reply=dict(reply),
             rewrite=turn.rewrite,
         )
         if turn.parent is not None:

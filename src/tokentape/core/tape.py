@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Origin", "Rewrite", "RewriteKind", "RewritePolicy", "TurnNode", "BranchView", "FinishReason"]
 
@@ -70,6 +70,7 @@ class TurnNode:
     prompt_chain: bytes  # chain hash of the request messages that led to this turn
     chain: bytes  # chain hash of those messages plus the reply this turn returned
     message_count: int  # request messages + 1 (the reply)
+    reply: Mapping[str, Any] = field(default_factory=dict)  # the assistant message this turn returned
     rewrite: Rewrite | None = None
     children: list[TurnNode] = field(default_factory=list)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step, hash_chain
+from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat, parse_reply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.session import Extend, Fresh, NewTurn, plan_request
 from tokentape.core.tape import FinishReason, Origin, Rewrite, RewritePolicy, TurnNode, path_tokens
@@ -34,6 +35,7 @@ class ChatCall:
     options: RenderOptions = dataclasses.field(default_factory=RenderOptions)
     session_id: str | None = None
     rewrite_policy: RewritePolicy | None = None
+    parse_tool_calls: bool = False  # tools were offered and tool_choice is not "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +55,28 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     index: int
-    text: str
+    text: str  # content (chat) or text (completions)
     tokens: list[SampledToken]
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ChoiceDone:
     index: int
-    text: str
+    reply: ParsedReply  # for completions: the raw text as content
+    text: str  # the generated text, stop strings cut
     tokens: list[SampledToken]
     finish_reason: FinishReason
     turn_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMode:
+    """How a chat reply's text is split into reasoning, content and tool calls."""
+
+    tool_format: ToolFormat
+    reasoning: bool
+    starts_inside: bool
 
 
 Event = Started | TextDelta | ChoiceDone
@@ -76,6 +89,7 @@ class _Plan:
     prompt: list[int]
     prompt_chain: bytes  # chain hash of the request's messages
     prompt_length: int  # how many messages the request had
+    reply_mode: ReplyMode | None = None  # None: raw completion text
 
 
 class Gateway:
@@ -106,7 +120,12 @@ class Gateway:
         if isinstance(decision, Extend):
             node = decision.node
             bridge = await asyncio.to_thread(
-                self.renderer.bridge, call.messages, decision.new_from - 1, self._stop_token(node), call.options
+                self.renderer.bridge,
+                call.messages,
+                decision.new_from - 1,
+                node.reply,
+                self._stop_token(node),
+                call.options,
             )
             rewrite = decision.rewrite
             if bridge.template_rewrite:
@@ -122,24 +141,30 @@ class Gateway:
                 if tree.policy == "fork":
                     return await self._plan_fresh(session, call, Fresh(node, rewrite), chains[-1])
             turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
-            return _Plan(session, turn, path_tokens(node) + bridge.tokens, chains[-1], len(chains))
+            mode = self._reply_mode(call, bridge.opens_reasoning)
+            return _Plan(session, turn, path_tokens(node) + bridge.tokens, chains[-1], len(chains), mode)
         return await self._plan_fresh(session, call, decision, chains[-1])
 
     async def _plan_fresh(self, session: Session, call: ChatCall, decision: Fresh, chain: bytes) -> _Plan:
-        tokens = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
-        count = len(call.messages)
+        prompt = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
+        tokens, count = prompt.tokens, len(call.messages)
+        mode = self._reply_mode(call, prompt.opens_reasoning)
         if decision.fork_from is None:
-            return _Plan(session, NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, chain, count)
+            return _Plan(session, NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, chain, count, mode)
         parent, shared = session.tree.fork_point(decision.fork_from, tokens)
         rewrite = decision.rewrite
         if rewrite is not None:
             rewrite = dataclasses.replace(rewrite, at_token=shared)
         turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite)
-        return _Plan(session, turn, tokens, chain, count)
+        return _Plan(session, turn, tokens, chain, count, mode)
+
+    def _reply_mode(self, call: ChatCall, opens_reasoning: bool) -> ReplyMode:
+        tool_format: ToolFormat = self.renderer.tool_format if call.parse_tool_calls else "none"
+        return ReplyMode(tool_format, self.renderer.reasoning, opens_reasoning)
 
     def _stop_token(self, node: TurnNode) -> int | None:
         """The end-of-turn token a turn ended on, if it ended on one."""
-        if node.finish_reason == "stop" and node.sampled and node.sampled[-1] in self._end_of_turn:
+        if node.sampled and node.sampled[-1] in self._end_of_turn:
             return node.sampled[-1]
         return None
 
@@ -201,9 +226,29 @@ class Gateway:
         text_parts: list[str] = []
         assembler = TextAssembler()
         stops = StopStringFilter(sampling.stop)
+        mode = plan.reply_mode
+        splitter = (
+            ReplyStream(mode.tool_format, reasoning=mode.reasoning, starts_inside=mode.starts_inside) if mode else None
+        )
         finish: FinishReason = "abort"
         completed = False
+        reply = ParsedReply("", None)
         stop_ids = self._end_of_turn | frozenset(sampling.stop_token_ids)
+
+        def delta(text: str, final: bool = False) -> TextDelta | None:
+            nonlocal pending
+            text_parts.append(text)
+            parts = [("content", text)] if splitter is None else splitter.feed(text)
+            if final and splitter is not None:
+                parts += splitter.finish()
+            content = "".join(t for kind, t in parts if kind == "content")
+            reasoning = "".join(t for kind, t in parts if kind == "reasoning")
+            if not (content or reasoning or (final and pending)):
+                return None
+            event = TextDelta(index, content, pending, reasoning)
+            pending = []
+            return event
+
         try:
             stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
             async with contextlib.aclosing(stream):
@@ -211,25 +256,28 @@ class Gateway:
                     tokens.append(sample)
                     pending.append(sample)
                     piece = self.renderer.tokenizer.token_bytes(sample.token_id)
-                    delta = stops.feed(assembler.feed(piece))
-                    if delta:
-                        text_parts.append(delta)
-                        yield TextDelta(index, delta, pending)
-                        pending = []
+                    if (event := delta(stops.feed(assembler.feed(piece)))) is not None:
+                        yield event
                     if stops.stopped or sample.token_id in stop_ids:
                         finish = "stop"
                         break
             if finish != "stop":
                 finish = "length"
-            tail = stops.feed(assembler.finish()) + stops.finish()
-            if tail:
-                text_parts.append(tail)
+            if (event := delta(stops.feed(assembler.finish()) + stops.finish(), final=True)) is not None:
+                yield event
+            text = "".join(text_parts)
+            if mode is None:
+                reply = ParsedReply(text, None)
+            else:
+                reply = parse_reply(text, mode.tool_format, reasoning=mode.reasoning, starts_inside=mode.starts_inside)
+            if reply.tool_calls and finish == "stop":
+                finish = "tool_calls"
             completed = True
-            if tail or pending:
-                yield TextDelta(index, tail, pending)
         finally:
             # Record even a cut-short generation: every sampled token stays on the tape.
             if tokens or completed:
+                if not completed:
+                    reply = ParsedReply("".join(text_parts), None)
                 node = plan.session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in tokens],
@@ -237,9 +285,9 @@ class Gateway:
                     finish_reason=finish,
                     prompt_chain=plan.prompt_chain,
                     prompt_length=plan.prompt_length,
-                    reply={"role": "assistant", "content": "".join(text_parts)},
+                    reply=reply.message(),
                 )
-        yield ChoiceDone(index, "".join(text_parts), tokens, finish, node.id)
+        yield ChoiceDone(index, reply, "".join(text_parts), tokens, finish, node.id)
 
 
 def _deepest_prefix_node(nodes: Sequence[TurnNode], prompt: Sequence[int]) -> TurnNode | None:

@@ -1,25 +1,50 @@
 """Messages -> token IDs: the first prompt of a conversation, and the bridge after a sampled reply.
 
-The bridge is rendered in a small anchored context (the system message, the message before the
-reply, the reply with a sentinel as its content) so its cost does not grow with the history; the
-text after the reply's turn close is the new messages and the generation prompt, exactly as the
-template renders them there. The part of the close the engine did not sample goes in front.
+The bridge is rendered in a small anchored context (the system message, the conversation from the
+last user message up to the reply, the reply with a sentinel as its content) so its cost does not
+grow with the history. What the template renders after that reply is the new messages and the
+generation prompt, exactly as in the full conversation; in front goes the part of the turn close the
+engine did not sample.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokentape.core.bridge import REPLY_SENTINEL, remaining_close, text_after_reply, turn_close_after
+from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after_reply, turn_close_after
 from tokentape.core.messages import Message
+from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
 
-__all__ = ["Renderer", "Bridge", "RenderOptions"]
+__all__ = ["Renderer", "Bridge", "Prompt", "RenderOptions", "DEFAULT_TOOL_PROMPT", "detect_tool_format"]
 
 _ROOT_ROLES = ("system", "developer")
+
+# For templates that know nothing of tools (SmolLM2's): Hermes-style calls, tools in the system prompt.
+DEFAULT_TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def detect_tool_format(template_source: str) -> ToolFormat:
+    """The tool-call syntax a chat template teaches its model."""
+    if "<｜tool▁call▁begin｜>" in template_source or "<｜tool▁calls▁begin｜>" in template_source:
+        return "deepseek"
+    if "<arg_key>" in template_source:
+        return "glm"
+    if "<tool_call>" in template_source:
+        return "hermes"
+    if "<|start_header_id|>" in template_source and '"parameters"' in template_source:
+        return "llama3"
+    return "hermes"  # the default tool format below, for templates without tool support
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +56,18 @@ class RenderOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: list[int]
+    text: str
+    opens_reasoning: bool  # the generation prompt ends inside an open reasoning block
+
+
+@dataclass(frozen=True, slots=True)
 class Bridge:
     tokens: list[int]
     text: str
     template_rewrite: bool  # the template renders the earlier reply differently once new messages follow
+    opens_reasoning: bool
 
 
 class Renderer:
@@ -43,64 +76,149 @@ class Renderer:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
         self.template = template
         self.tokenizer = tokenizer
+        self.native_tools = "tools" in template.source
+        self.tool_format = detect_tool_format(template.source)
+        self.reasoning = THINK_CLOSE in template.source
         self.turn_close = self._derive_turn_close()
 
     def _derive_turn_close(self) -> str:
-        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL}]
+        probe: list[Message] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL}]
         close = turn_close_after(self.template.render(probe, add_generation_prompt=False))
         followed = self.template.render([*probe, {"role": "user", "content": "Go on"}], add_generation_prompt=True)
-        if not close or REPLY_SENTINEL + close not in followed:
+        if REPLY_SENTINEL + close not in followed:
             raise ValueError("cannot derive the turn close from this chat template")
         return close
 
-    def prompt_text(self, messages: Sequence[Message], options: RenderOptions) -> str:
-        return self.template.render(
-            messages,
-            add_generation_prompt=True,
-            tools=options.tools,
-            template_kwargs=options.template_kwargs,
-        )
-
-    def prompt(self, messages: Sequence[Message], options: RenderOptions) -> list[int]:
+    # -- whole prompts -----------------------------------------------------------------------------
+    def prompt(self, messages: Sequence[Message], options: RenderOptions) -> Prompt:
         """The whole conversation rendered with a generation prompt, tokenized once."""
-        return self.tokenizer.encode(self.prompt_text(messages, options))
+        text = self.render_text(messages, True, options)
+        return Prompt(self.tokenizer.encode(text), text, _opens_reasoning(text))
 
+    # -- bridges -----------------------------------------------------------------------------------
     def bridge(
         self,
         messages: Sequence[Message],
         reply_index: int,
+        reply: Message,
         stop_token: int | None,
         options: RenderOptions,
     ) -> Bridge:
-        """Tokens to append after the sampled reply at `messages[reply_index]`.
+        """Tokens to append after the sampled reply that `messages[reply_index]` echoes.
 
-        `stop_token` is the end-of-turn token the engine sampled last, or None if the turn ended
-        another way (then the whole turn close is bridged).
+        `reply` is the reply as it was returned (reasoning and tool calls included); `stop_token` is
+        the end-of-turn token the engine sampled last, or None if the turn ended another way.
         """
-        anchor = _anchor(messages, reply_index)
+        prefix = _anchor(messages, reply_index)
         new = list(messages[reply_index + 1 :])
-        reply = dict(anchor[-1])
-        reply["content"] = REPLY_SENTINEL
-        rendered = self._render([*anchor[:-1], reply, *new], True, options)
-        after = text_after_reply(rendered, self.turn_close)
+        sentinel = {**_without_reasoning(reply), "content": REPLY_SENTINEL}
+        reply_only = self.render_text([*prefix, sentinel], False, options)
+        followed = self.render_text([*prefix, sentinel, *new], True, options)
+        if followed.startswith(reply_only) and reply_only.endswith(self.turn_close):
+            after = followed[len(reply_only) :]
+        else:
+            after = text_after_reply(followed, self.turn_close)
         stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
-        text = remaining_close(self.turn_close, stop_text) + after
-        before = self._render(anchor, False, options)
-        with_new = self._render(anchor + new, True, options)
-        return Bridge(self.tokenizer.encode(text), text, template_rewrite=not with_new.startswith(before))
-
-    def _render(self, messages: Sequence[Message], generation: bool, options: RenderOptions) -> str:
-        return self.template.render(
-            messages,
-            add_generation_prompt=generation,
-            tools=options.tools,
-            template_kwargs=options.template_kwargs,
+        text = strip_sampled_stop(self.turn_close + after, stop_text)
+        before = self.render_text([*prefix, reply], False, options)
+        with_new = self.render_text([*prefix, reply, *new], True, options)
+        return Bridge(
+            self.tokenizer.encode(text),
+            text,
+            template_rewrite=not with_new.startswith(before),
+            opens_reasoning=_opens_reasoning(followed),
         )
+
+    # -- rendering ---------------------------------------------------------------------------------
+    def render_text(self, messages: Sequence[Message], generation: bool, options: RenderOptions) -> str:
+        """The template's text for `messages`, as this renderer prepares them."""
+        prepared, tools = self.prepare(messages, options)
+        return self.template.render(
+            prepared, add_generation_prompt=generation, tools=tools, template_kwargs=options.template_kwargs
+        )
+
+    def prepare(
+        self, messages: Sequence[Message], options: RenderOptions
+    ) -> tuple[list[Message], Sequence[Mapping[str, Any]] | None]:
+        """Messages as templates expect them; tool-less templates get the default tool format."""
+        prepared = [_for_template(m) for m in messages]
+        if self.native_tools or not (options.tools or any(_uses_tools(m) for m in prepared)):
+            return prepared, options.tools
+        return _default_tool_format(prepared, options.tools or ()), None
+
+
+def _opens_reasoning(text: str) -> bool:
+    tail = text.rstrip()
+    return tail.endswith(THINK_OPEN)
 
 
 def _anchor(messages: Sequence[Message], reply_index: int) -> list[Message]:
-    start = max(0, reply_index - 1)
-    anchor = list(messages[start : reply_index + 1])
+    """The messages before the reply that its rendering can depend on: from the last user message
+    (templates place reasoning and tool-response blocks relative to it) and the system message."""
+    start = reply_index
+    while start > 0 and messages[start - 1].get("role") != "user":
+        start -= 1
+    start = max(0, start - 1)
+    anchor = list(messages[start:reply_index])
     if start > 0 and messages[0].get("role") in _ROOT_ROLES:
         anchor.insert(0, messages[0])
     return anchor
+
+
+def _without_reasoning(message: Message) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning")}
+
+
+def _for_template(message: Message) -> Message:
+    """Drop null fields (templates test `'tool_calls' in message`) and give tool-call arguments as
+    objects (templates iterate or `tojson` them; an OpenAI client sends a JSON string)."""
+    cleaned = {k: v for k, v in message.items() if v is not None or k == "content"}
+    calls = cleaned.get("tool_calls")
+    if calls:
+        cleaned["tool_calls"] = [_object_arguments(call) for call in calls]
+    return cleaned
+
+
+def _object_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
+    return {**call, "function": function}
+
+
+def _uses_tools(message: Message) -> bool:
+    return message.get("role") == "tool" or bool(message.get("tool_calls"))
+
+
+def _default_tool_format(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
+    out: list[Message] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})})
+                + "\n</tool_call>"
+                for c in message["tool_calls"]
+            ]
+            text = message.get("content") or ""
+            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
+        elif role == "tool":
+            out.append(
+                {"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+            )
+        else:
+            out.append(message)
+    if tools:
+        listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0].get("role") in _ROOT_ROLES:
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{listing}"}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out

@@ -152,6 +152,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             options=RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs),
             session_id=_session_id(request, req.session_id),
             rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
+            parse_tool_calls=bool(req.tools) and req.tool_choice != "none",
         )
         events = gateway.chat(call)
         started = await start(events)
@@ -168,13 +169,21 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             async for event in events:
                 if isinstance(event, TextDelta):
                     yield wire.chat_chunk(
-                        event.index, text=event.text, tokens=event.tokens, top=top, first=event.index not in opened
+                        event.index,
+                        text=event.text,
+                        reasoning=event.reasoning,
+                        tokens=event.tokens,
+                        top=top,
+                        first=event.index not in opened,
                     )
                     opened.add(event.index)
                 elif isinstance(event, ChoiceDone):
                     produced += len(event.tokens)
                     yield wire.chat_chunk(
-                        event.index, finish_reason=event.finish_reason, first=event.index not in opened
+                        event.index,
+                        tool_calls=event.reply.tool_calls,
+                        finish_reason=event.finish_reason,
+                        first=event.index not in opened,
                     )
                     opened.add(event.index)
             if include_usage:
@@ -261,12 +270,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
         else:
             messages = [flatten_text_parts(m) for m in raw["messages"]]
             options = RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs)
-            text = gateway.renderer.template.render(
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=options.tools,
-                template_kwargs=options.template_kwargs,
-            )
+            text = gateway.renderer.render_text(messages, req.add_generation_prompt, options)
             tokens = tokenizer.encode(text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": gateway.engine.context_length}
 

@@ -60,7 +60,7 @@ class WireBuilder:
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": c.reply.message(),
                     "finish_reason": c.finish_reason,
                     "logprobs": self.chat_logprobs(c.tokens, top),
                     "token_ids": [t.token_id for t in c.tokens],
@@ -77,6 +77,8 @@ class WireBuilder:
         index: int,
         *,
         text: str | None = None,
+        reasoning: str | None = None,
+        tool_calls: Sequence[dict[str, Any]] = (),
         tokens: Sequence[SampledToken] = (),
         top: int = 0,
         finish_reason: str | None = None,
@@ -85,8 +87,12 @@ class WireBuilder:
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         chunk: dict[str, Any] = {
             **self._head("chat.completion.chunk"),
             "choices": [

@@ -1,0 +1,241 @@
+"""Model text -> an OpenAI assistant message: reasoning, content and tool calls, per model family.
+
+The tape never depends on this: parsing only shapes what the agent is shown (and what it echoes
+back, which `messages` recognises in canonical form). Unparseable tool-call text stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "ToolFormat",
+    "ParsedReply",
+    "ReplyStream",
+    "parse_reply",
+    "split_reasoning",
+    "TOOL_START_MARKERS",
+    "THINK_OPEN",
+    "THINK_CLOSE",
+]
+
+ToolFormat = Literal["hermes", "glm", "llama3", "deepseek", "none"]
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+TOOL_START_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),
+    "glm": ("<tool_call>",),
+    "llama3": ("<|python_tag|>",),
+    "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"),
+    "none": (),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedReply:
+    content: str
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message as the OpenAI API returns it."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.content if (self.content or not self.tool_calls) else None,
+        }
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+
+def split_reasoning(text: str, starts_inside: bool) -> tuple[str | None, str]:
+    """(reasoning, rest). `starts_inside`: the prompt already opened the reasoning block."""
+    if starts_inside:
+        reasoning, closed, rest = text.partition(THINK_CLOSE)
+        if not closed:  # never closed: everything so far was reasoning
+            return reasoning.strip("\n"), ""
+        return reasoning.strip("\n"), rest.lstrip("\n")
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
+        reasoning, _, rest = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
+        return reasoning.strip("\n"), rest.lstrip("\n")
+    return None, text
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_GLM = re.compile(r"<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*?</arg_value>\s*)*)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_DEEPSEEK = re.compile(
+    r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>)?(.+?)(?:<｜tool▁sep｜>|\n)\s*(?:```json\s*)?(.*?)\s*(?:```\s*)?<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    calls = []
+    for match in _HERMES.finditer(text):
+        obj = _json_object(match.group(1))
+        if obj is None or not isinstance(obj.get("name"), str):
+            return text, []  # one malformed call: show the text as it is
+        calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+    return (_HERMES.sub("", text).strip(), calls) if calls else (text, [])
+
+
+def _parse_glm(text: str) -> tuple[str, list[dict[str, Any]]]:
+    calls = []
+    for match in _GLM.finditer(text):
+        arguments: dict[str, Any] = {}
+        for key, value in _GLM_ARG.findall(match.group(2)):
+            try:
+                arguments[key.strip()] = json.loads(value)
+            except ValueError:
+                arguments[key.strip()] = value
+        calls.append(_call(match.group(1).strip(), arguments))
+    return (_GLM.sub("", text).strip(), calls) if calls else (text, [])
+
+
+def _parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    obj = _json_object(body)
+    if obj is None or not isinstance(obj.get("name"), str):
+        return text, []
+    return "", [_call(obj["name"], obj.get("parameters", obj.get("arguments", {})))]
+
+
+def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
+    start = text.find("<｜tool▁calls▁begin｜>")
+    region = text if start < 0 else text[start:]
+    calls = []
+    for name, arguments in _DEEPSEEK.findall(region):
+        obj = _json_object(arguments)
+        calls.append(_call(name.strip(), obj if obj is not None else arguments))
+    if not calls:
+        return text, []
+    return (text[:start] if start >= 0 else "").strip(), calls
+
+
+_PARSERS: dict[ToolFormat, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
+    "hermes": _parse_hermes,
+    "glm": _parse_glm,
+    "llama3": _parse_llama3,
+    "deepseek": _parse_deepseek,
+}
+
+
+def parse_reply(text: str, tool_format: ToolFormat, *, reasoning: bool, starts_inside: bool) -> ParsedReply:
+    thought: str | None = None
+    if reasoning or starts_inside:
+        thought, text = split_reasoning(text, starts_inside)
+    parser = _PARSERS.get(tool_format)
+    content, calls = parser(text) if parser is not None else (text, [])
+    return ParsedReply(content, thought, calls)
+
+
+class ReplyStream:
+    """Splits streamed text into reasoning and content deltas; from a tool-call marker on, text is
+    held until the end, when `parse_reply` on the whole text gives the tool calls."""
+
+    def __init__(self, tool_format: ToolFormat, *, reasoning: bool, starts_inside: bool) -> None:
+        self._markers = TOOL_START_MARKERS[tool_format]
+        self._reasoning = reasoning or starts_inside
+        self._in_reasoning = starts_inside
+        self._seen_open = starts_inside
+        self._held = ""
+        self._in_tools = False
+        self._started = False
+        self._skip_newlines = starts_inside  # newlines right after a reasoning marker are not text
+
+    def feed(self, text: str) -> list[tuple[Literal["reasoning", "content"], str]]:
+        out: list[tuple[Literal["reasoning", "content"], str]] = []
+        buffer = self._held + text
+        self._held = ""
+        while buffer and not self._in_tools:
+            if self._skip_newlines:
+                buffer = buffer.lstrip("\n")
+                if not buffer:
+                    return out
+                self._skip_newlines = False
+            if self._in_reasoning:
+                at = buffer.find(THINK_CLOSE)
+                if at < 0:
+                    # hold back a possible start of the close marker, and newlines that may precede it
+                    keep = _partial_suffix(buffer, (THINK_CLOSE,))
+                    keep += len(buffer[: len(buffer) - keep]) - len(buffer[: len(buffer) - keep].rstrip("\n"))
+                    self._emit(out, "reasoning", buffer[: len(buffer) - keep])
+                    self._held = buffer[len(buffer) - keep :]
+                    return out
+                self._emit(out, "reasoning", buffer[:at].rstrip("\n"))
+                buffer = buffer[at + len(THINK_CLOSE) :]
+                self._in_reasoning = False
+                self._skip_newlines = True
+                continue
+            if self._reasoning and not self._seen_open and not self._started:
+                stripped = buffer.lstrip()
+                if THINK_OPEN.startswith(stripped):
+                    self._held = buffer
+                    return out
+                if stripped.startswith(THINK_OPEN):
+                    self._seen_open = True
+                    self._in_reasoning = True
+                    self._skip_newlines = True
+                    buffer = stripped[len(THINK_OPEN) :]
+                    continue
+            hits = [i for i in (buffer.find(m) for m in self._markers) if i >= 0]
+            if hits:
+                self._emit(out, "content", buffer[: min(hits)])
+                self._in_tools = True
+                return out
+            keep = _partial_suffix(buffer, self._markers)
+            self._emit(out, "content", buffer[: len(buffer) - keep])
+            self._held = buffer[len(buffer) - keep :]
+            return out
+        return out
+
+    def _emit(
+        self, out: list[tuple[Literal["reasoning", "content"], str]], kind: Literal["reasoning", "content"], text: str
+    ) -> None:
+        if text:
+            self._started = self._started or kind == "content"
+            out.append((kind, text))
+
+    def finish(self) -> list[tuple[Literal["reasoning", "content"], str]]:
+        """Text still held back that turned out to be plain (not the start of a marker)."""
+        if self._in_tools or not self._held:
+            return []
+        held, self._held = self._held, ""
+        return [("reasoning" if self._in_reasoning else "content", held)]
+
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    best = 0
+    for marker in markers:
+        for length in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:length]):
+                best = length
+                break
+    return best
