@@ -24,11 +24,12 @@ __all__ = [
     "THINK_CLOSE",
 ]
 
-ToolFormat = Literal["hermes", "glm", "llama3", "deepseek", "none"]
+ToolFormat = Literal["hermes", "qwen_xml", "glm", "llama3", "deepseek", "none"]
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 TOOL_START_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
     "hermes": ("<tool_call>",),
+    "qwen_xml": ("<tool_call>",),
     "glm": ("<tool_call>",),
     "llama3": ("<|python_tag|>",),
     "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"),
@@ -106,15 +107,31 @@ def _parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
     return (_HERMES.sub("", text).strip(), calls) if calls else (text, [])
 
 
+_QWEN_XML = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _loose_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _parse_qwen_xml(text: str) -> tuple[str, list[dict[str, Any]]]:
+    calls = []
+    for match in _QWEN_XML.finditer(text):
+        arguments = {key.strip(): _loose_value(value) for key, value in _QWEN_PARAM.findall(match.group(2))}
+        calls.append(_call(match.group(1).strip(), arguments))
+    return (_QWEN_XML.sub("", text).strip(), calls) if calls else (text, [])
+
+
 def _parse_glm(text: str) -> tuple[str, list[dict[str, Any]]]:
     calls = []
     for match in _GLM.finditer(text):
         arguments: dict[str, Any] = {}
         for key, value in _GLM_ARG.findall(match.group(2)):
-            try:
-                arguments[key.strip()] = json.loads(value)
-            except ValueError:
-                arguments[key.strip()] = value
+            arguments[key.strip()] = _loose_value(value)
         calls.append(_call(match.group(1).strip(), arguments))
     return (_GLM.sub("", text).strip(), calls) if calls else (text, [])
 
@@ -141,6 +158,7 @@ def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 _PARSERS: dict[ToolFormat, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
     "hermes": _parse_hermes,
+    "qwen_xml": _parse_qwen_xml,
     "glm": _parse_glm,
     "llama3": _parse_llama3,
     "deepseek": _parse_deepseek,

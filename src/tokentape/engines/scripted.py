@@ -1,11 +1,13 @@
 """A scripted engine: an instrument for tests and benchmarks that must exclude real inference.
 
-It answers instantly with a fixed token script (then an end-of-turn token), logprob -1.0 each.
-Never used by `tokentape serve`.
+It answers instantly, logprob -1.0 per token: with the next queued script if there is one (exactly
+those tokens), else with its fixed script followed by the end-of-turn token. Never used by
+`tokentape serve`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 
 from tokentape.core.sampling import SamplingParams
@@ -18,15 +20,20 @@ class ScriptedEngine:
     def __init__(self, script: Sequence[int], end_of_turn: int, *, context_length: int = 1 << 20) -> None:
         self.script = list(script)
         self.end_of_turn = end_of_turn
+        self.queue: deque[list[int]] = deque()
         self.model_id = "scripted"
         self.context_length = context_length
         self.calls = 0
+
+    def push(self, tokens: Sequence[int]) -> None:
+        """Answer the next generation with exactly `tokens` (cut by max_tokens)."""
+        self.queue.append(list(tokens))
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
-        tokens = [*self.script, self.end_of_turn]
+        tokens = self.queue.popleft() if self.queue else [*self.script, self.end_of_turn]
         if params.max_tokens is not None:
             tokens = tokens[: params.max_tokens]
         for token in tokens:

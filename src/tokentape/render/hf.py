@@ -86,6 +86,10 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", "replace")
 
+    def decode_all(self, token_ids: Sequence[int]) -> str:
+        pieces = (self._added[t].encode() if t in self._control else self.token_bytes(t) for t in token_ids)
+        return b"".join(pieces).decode("utf-8", "replace")
+
 
 def _token_content(value: Any) -> str:
     if isinstance(value, Mapping):

@@ -38,6 +38,8 @@ def detect_tool_format(template_source: str) -> ToolFormat:
     """The tool-call syntax a chat template teaches its model."""
     if "<｜tool▁call▁begin｜>" in template_source or "<｜tool▁calls▁begin｜>" in template_source:
         return "deepseek"
+    if "<function=" in template_source:
+        return "qwen_xml"
     if "<arg_key>" in template_source:
         return "glm"
     if "<tool_call>" in template_source:

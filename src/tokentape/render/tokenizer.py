@@ -31,6 +31,10 @@ class Tokenizer(Protocol):
         """Visible text of a token sequence."""
         ...
 
+    def decode_all(self, token_ids: Sequence[int]) -> str:
+        """Text of a token sequence with control tokens written out (what a template renders)."""
+        ...
+
 
 class GGUFTokenizer:
     """The vocabulary stored in a GGUF file, loaded alone (no weights) through llama.cpp."""
@@ -59,6 +63,10 @@ class GGUFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: bytes = self._llama.detokenize(list(token_ids), special=False)
+        return text.decode("utf-8", "replace")
+
+    def decode_all(self, token_ids: Sequence[int]) -> str:
+        text: bytes = self._llama.detokenize(list(token_ids), special=True)
         return text.decode("utf-8", "replace")
 
     def token_name(self, key: str) -> str:
