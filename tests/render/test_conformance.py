@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,7 +178,7 @@ class Episode:
         """The naive method: render the whole conversation so far and tokenize it again."""
         tree = self.gateway.sessions.get(self.session).tree
         (branch,) = export_session(tree)["branches"]
-        last_prompt, last_ids = self.calls[-1]
+        last_prompt, _ = self.calls[-1]
         naive_prompt = self.renderer.tokenizer.encode(self.full_text(self.messages[:-1], True))
         return naive_prompt == branch["tokens"][: len(last_prompt)]
 
