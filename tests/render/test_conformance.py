@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.support.models import SOURCES, materialise
 from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop
@@ -297,3 +299,44 @@ async def test_truncated_utf8_and_special_tokens_mid_text(renderers: dict[str, R
     assert "\ufffd" in (done.reply.content or "")
     await ep.turn([{"role": "user", "content": "Again."}], _reply(ep, "Again!"))
     ep.check()
+
+
+PROPERTY_FAMILIES = ["smollm2", "qwen3", "llama3.2", "glm-4.7", "deepseek-v3", "qwen3.5"]
+texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=24)
+
+
+@pytest.mark.parametrize("family", PROPERTY_FAMILIES)
+def test_bridge_property_on_real_tokenizers(renderers: dict[str, Renderer], family: str) -> None:
+    """Whatever the sampled tokens and the new messages, the sampled span is kept verbatim and the
+    bridge is the template's own rendering of the new messages after the reply, in full context."""
+    renderer = renderers[family]
+    tokenizer = renderer.tokenizer
+    eot = sorted(tokenizer.end_of_turn_ids)
+
+    @given(
+        user=texts,
+        sampled=st.lists(st.integers(0, tokenizer.vocab_size - 1), min_size=1, max_size=16),
+        stop=st.sampled_from([None, *eot]),
+        follow=st.lists(st.tuples(st.sampled_from(["user", "tool"]), texts), min_size=1, max_size=3),
+        system=st.booleans(),
+    )
+    @settings(max_examples=40, deadline=None)
+    def check(user: str, sampled: list[int], stop: int | None, follow: list[tuple[str, str]], system: bool) -> None:
+        sampled = [t for t in sampled if t not in tokenizer.end_of_turn_ids] + ([stop] if stop is not None else [])
+        head = [{"role": "system", "content": "Be brief."}] if system else []
+        history = [*head, {"role": "user", "content": user}]
+        reply = {"role": "assistant", "content": tokenizer.decode(sampled)}
+        new = [{"role": role, "content": text} for role, text in follow]
+        options = RenderOptions()
+        prompt = renderer.prompt(history, options).tokens
+        bridge = renderer.bridge([*history, reply, *new], len(history), reply, stop, options)
+        tape = prompt + sampled + bridge.tokens
+        assert tape[len(prompt) : len(prompt) + len(sampled)] == sampled
+        assert bridge.tokens == tokenizer.encode(bridge.text)
+        full = renderer.render_text([*history, reply, *new], True, options)
+        stop_text = tokenizer.decode_all([stop]) if stop is not None else ""
+        assert full.endswith(bridge.text)
+        if stop is not None and full.endswith(stop_text + bridge.text):
+            assert strip_sampled_stop(stop_text + bridge.text, stop_text) == bridge.text
+
+    check()

@@ -54,7 +54,7 @@ class NewTurn:
     rewrite: Rewrite | None
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -65,6 +65,7 @@ class LlamaCppEngine:
         )
         vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
         n_vocab = self._llama.n_vocab()
+        self.vocab_size: int = n_vocab
         self._end_of_turn = frozenset(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
         self.model_id = settings.model_path.stem
         self.context_length = self._llama.n_ctx()

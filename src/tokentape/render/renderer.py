@@ -17,6 +17,7 @@ from typing import Any
 from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after_reply, turn_close_after
 from tokentape.core.messages import Message
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
+from tokentape.errors import InvalidRequest
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
 
@@ -24,18 +25,26 @@ __all__ = ["Renderer", "Bridge", "Prompt", "RenderOptions", "DEFAULT_TOOL_PROMPT
 
 _ROOT_ROLES = ("system", "developer")
 
-# For templates that know nothing of tools (SmolLM2's): Hermes-style calls, tools in the system prompt.
+# For templates that do not read `tools`: the tool list goes into the system prompt, with the call
+# syntax the template renders (Hermes-style `<tool_call>` JSON when it renders none, as SmolLM2's).
 DEFAULT_TOOL_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+    "For each function call, answer in this format:\n{example}"
 )
+_CALL_EXAMPLES: dict[ToolFormat, str] = {
+    "hermes": '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
+    "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>\n```json\n"
+    "<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "llama3": '{"name": <function-name>, "parameters": <args-json-object>}',
+    "glm": "<tool_call><function-name><arg_key><name></arg_key><arg_value><value></arg_value></tool_call>",
+    "qwen_xml": "<tool_call>\n<function=<function-name>>\n<parameter=<name>>\n<value>\n</parameter>\n"
+    "</function>\n</tool_call>",
+}
 
 
-def detect_tool_format(template_source: str) -> ToolFormat:
-    """The tool-call syntax a chat template teaches its model."""
+def detect_tool_format(template_source: str) -> ToolFormat | None:
+    """The tool-call syntax a chat template renders, or None if it renders no tool calls."""
     if "<｜tool▁call▁begin｜>" in template_source or "<｜tool▁calls▁begin｜>" in template_source:
         return "deepseek"
     if "<function=" in template_source:
@@ -46,7 +55,7 @@ def detect_tool_format(template_source: str) -> ToolFormat:
         return "hermes"
     if "<|start_header_id|>" in template_source and '"parameters"' in template_source:
         return "llama3"
-    return "hermes"  # the default tool format below, for templates without tool support
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +87,27 @@ class Renderer:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
         self.template = template
         self.tokenizer = tokenizer
-        self.native_tools = "tools" in template.source
-        self.tool_format = detect_tool_format(template.source)
+        self.native_tools = "tools" in template.source  # the template lists the tools itself
+        detected = detect_tool_format(template.source)
+        self.native_tool_calls = detected is not None  # the template renders tool calls in history
+        self.tool_format: ToolFormat = detected or "hermes"
         self.reasoning = THINK_CLOSE in template.source
+        self.arguments_as_objects = self._takes_object_arguments()
         self.turn_close = self._derive_turn_close()
+
+    def _takes_object_arguments(self) -> bool:
+        """Whether the template wants tool-call arguments as objects (it iterates or `tojson`s them,
+        as Llama's and GLM's do) rather than the JSON text OpenAI clients send (DeepSeek's concatenates)."""
+        call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+        probe: list[Message] = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ]
+        try:
+            self.template.render(probe, add_generation_prompt=False)
+        except InvalidRequest:
+            return False
+        return True
 
     def _derive_turn_close(self) -> str:
         probe: list[Message] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL}]
@@ -143,10 +169,12 @@ class Renderer:
         self, messages: Sequence[Message], options: RenderOptions
     ) -> tuple[list[Message], Sequence[Mapping[str, Any]] | None]:
         """Messages as templates expect them; tool-less templates get the default tool format."""
-        prepared = [_for_template(m) for m in messages]
+        prepared = [_for_template(m, self.arguments_as_objects) for m in messages]
         if self.native_tools or not (options.tools or any(_uses_tools(m) for m in prepared)):
             return prepared, options.tools
-        return _default_tool_format(prepared, options.tools or ()), None
+        if not self.native_tool_calls:
+            prepared = _tool_calls_as_text(prepared)
+        return _with_tool_list(prepared, options.tools or (), _CALL_EXAMPLES[self.tool_format]), None
 
 
 def _opens_reasoning(text: str) -> bool:
@@ -171,26 +199,28 @@ def _without_reasoning(message: Message) -> dict[str, Any]:
     return {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning")}
 
 
-def _for_template(message: Message) -> Message:
-    """Drop null fields (templates test `'tool_calls' in message`) and give tool-call arguments as
-    objects (templates iterate or `tojson` them; an OpenAI client sends a JSON string)."""
+def _for_template(message: Message, object_arguments: bool) -> Message:
+    """Drop null fields (templates test `'tool_calls' in message`) and give tool-call arguments in
+    the form the template handles."""
     cleaned = {k: v for k, v in message.items() if v is not None or k == "content"}
     calls = cleaned.get("tool_calls")
     if calls:
-        cleaned["tool_calls"] = [_object_arguments(call) for call in calls]
+        cleaned["tool_calls"] = [_arguments_as(call, object_arguments) for call in calls]
     return cleaned
 
 
-def _object_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+def _arguments_as(call: Mapping[str, Any], objects: bool) -> dict[str, Any]:
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if objects and isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
         except ValueError:
             parsed = None
         if isinstance(parsed, dict):
             function["arguments"] = parsed
+    elif not objects and not isinstance(arguments, str):
+        function["arguments"] = json.dumps(arguments, ensure_ascii=False)
     return {**call, "function": function}
 
 
@@ -198,7 +228,8 @@ def _uses_tools(message: Message) -> bool:
     return message.get("role") == "tool" or bool(message.get("tool_calls"))
 
 
-def _default_tool_format(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
+def _tool_calls_as_text(messages: list[Message]) -> list[Message]:
+    """Tool calls and results as plain text, for templates that render neither."""
     out: list[Message] = []
     for message in messages:
         role = message.get("role")
@@ -217,8 +248,13 @@ def _default_tool_format(messages: list[Message], tools: Sequence[Mapping[str, A
             )
         else:
             out.append(message)
+    return out
+
+
+def _with_tool_list(messages: list[Message], tools: Sequence[Mapping[str, Any]], example: str) -> list[Message]:
+    out = list(messages)
     if tools:
-        listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+        listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools), example=example)
         if out and out[0].get("role") in _ROOT_ROLES:
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{listing}"}
         else:
