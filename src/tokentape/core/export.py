@@ -41,5 +41,8 @@ def export_session(tree: SessionTree) -> dict[str, Any]:
         "session_id": tree.session_id,
         "logprob_mode": LOGPROB_MODE,
         "summary": tree.summary(),
-        "branches": [export_branch(branch) for branch in tree.branches()],
+        "branches": [
+            {**export_branch(branch), "reward": tree.outcome.branch_reward(branch.leaf.id)}
+            for branch in tree.branches()
+        ],
     }

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokentape.core.messages import Message, chain_step
+from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
     BranchView,
     FinishReason,
@@ -65,9 +66,10 @@ def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
 class SessionTree:
     """The recorded turns of one session. Append-only: nodes are added, never changed."""
 
-    def __init__(self, session_id: str, policy: RewritePolicy = "tape") -> None:
+    def __init__(self, session_id: str, policy: RewritePolicy = "tape", *, created_at: float = 0.0) -> None:
         self.session_id = session_id
         self.policy: RewritePolicy = policy
+        self.outcome = Outcome(created_at=created_at)
         self.nodes: list[TurnNode] = []
         self.rewrites: list[Rewrite] = []
         self._by_chain: dict[bytes, TurnNode] = {}
@@ -96,6 +98,7 @@ class SessionTree:
             "tokens": self.token_count,
             "sampled_tokens": sum(len(n.sampled) for n in self.nodes),
             "rewrites": len(self.rewrites),
+            **self.outcome.as_dict(),
         }
 
     # -- finding a request's place -----------------------------------------------------------------

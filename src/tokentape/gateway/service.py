@@ -103,6 +103,7 @@ class Gateway:
     async def chat(self, call: ChatCall) -> AsyncIterator[Event]:
         """Stream the events of one chat request; every choice is recorded as a turn."""
         with self._session_for(call.session_id, call.rewrite_policy) as session:
+            session.check_open()
             plan = await self._plan_chat(session, call)
             self._check_room(plan.prompt, call.sampling)
             session.requests += 1
@@ -181,6 +182,7 @@ class Gateway:
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         with self._session_for(call.session_id, None) as session:
+            session.check_open()
             self._check_room(prompt, call.sampling)
             parent = _deepest_prefix_node(session.tree.nodes, prompt)
             keep = parent.end if parent is not None else 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import RewritePolicy
-from tokentape.errors import InvalidRequest, NotFound
+from tokentape.errors import Conflict, InvalidRequest, NotFound
 
 __all__ = ["Session", "SessionRegistry", "REWRITE_POLICIES", "check_session_id", "check_policy"]
 
@@ -40,7 +40,6 @@ def check_policy(policy: str) -> RewritePolicy:
 @dataclass(eq=False)
 class Session:
     tree: SessionTree
-    created_at: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     requests: int = 0
 
@@ -49,7 +48,17 @@ class Session:
         return self.tree.session_id
 
     def summary(self) -> dict[str, object]:
-        return {**self.tree.summary(), "created_at": self.created_at, "requests": self.requests}
+        return {**self.tree.summary(), "requests": self.requests}
+
+    def check_open(self) -> None:
+        if self.tree.outcome.finished:
+            raise Conflict(
+                f"session {self.id!r} is finished; start a new session", param="session_id", code="session_finished"
+            )
+
+    def finish(self) -> None:
+        if not self.tree.outcome.finished:
+            self.tree.outcome.finished_at = time.time()
 
 
 class SessionRegistry:
@@ -73,7 +82,7 @@ class SessionRegistry:
         check_session_id(session_id)
         session = self._sessions.get(session_id)
         if session is None:
-            session = Session(SessionTree(session_id, policy or self.default_policy))
+            session = Session(SessionTree(session_id, policy or self.default_policy, created_at=time.time()))
             self._sessions[session_id] = session
         return session
 

@@ -13,7 +13,6 @@ import pydantic
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokentape.core.export import export_session
 from tokentape.core.messages import flatten_text_parts
 from tokentape.core.sampling import SamplingParams
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
@@ -28,6 +27,7 @@ from tokentape.server.protocol import (
     TokenizeRequest,
 )
 from tokentape.server.responses import WireBuilder
+from tokentape.server.sessions_api import add_session_routes, json_object
 
 __all__ = ["create_app"]
 
@@ -36,23 +36,8 @@ _Body = TypeVar("_Body", bound=pydantic.BaseModel)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
-async def _json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
-    body = await request.body()
-    if not body.strip():
-        if optional:
-            return {}
-        raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        data = orjson.loads(body)  # rejects lone surrogates, which would break templates later
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    return data
-
-
 async def _parse(request: Request, model: type[_Body]) -> tuple[_Body, dict[str, Any]]:
-    data = await _json_object(request)
+    data = await json_object(request)
     try:
         return model.model_validate(data), data
     except pydantic.ValidationError as exc:
@@ -288,38 +273,6 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
-    # -- session routes ----------------------------------------------------------------------------
-    @app.get("/sessions")
-    async def list_sessions() -> dict[str, Any]:
-        return {"object": "list", "data": [s.summary() for s in gateway.sessions.all()]}
-
-    @app.post("/sessions", status_code=201)
-    async def create_session(request: Request) -> dict[str, Any]:
-        data = await _json_object(request, optional=True)
-        session_id = data.get("session_id")
-        policy = data.get("rewrite_policy")
-        if session_id is not None and not isinstance(session_id, str):
-            raise InvalidRequest("session_id must be a string", param="session_id")
-        if policy is not None and not isinstance(policy, str):
-            raise InvalidRequest("rewrite_policy must be a string", param="rewrite_policy")
-        if session_id is not None and gateway.sessions.exists(check_session_id(session_id)):
-            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
-        session = gateway.sessions.open(session_id, check_policy(policy) if policy is not None else None)
-        return session.summary()
-
-    @app.get("/sessions/{session_id}")
-    async def get_session(session_id: str) -> dict[str, Any]:
-        session = gateway.sessions.get(session_id)
-        return {**session.summary(), "rewrite_events": [r.as_dict() for r in session.tree.rewrites]}
-
-    @app.get("/sessions/{session_id}/export")
-    async def export(session_id: str) -> Response:
-        return json_response(export_session(gateway.sessions.get(session_id).tree))
-
-    @app.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str) -> dict[str, Any]:
-        gateway.sessions.delete(session_id)
-        return {"id": session_id, "object": "session", "deleted": True}
-
+    add_session_routes(app, gateway)
     app.state.started = time.time()
     return app

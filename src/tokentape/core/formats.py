@@ -1,0 +1,166 @@
+"""Training samples in the shapes trainers read, all from the same tape.
+
+One branch is one sample (`merged`); `stepwise` makes one sample per turn. Per format:
+
+- tokentape: the native export (tokens, loss_mask, logprobs with null off-policy positions, origins,
+  turns, action_ranges, finish_reasons, rewrites) plus reward, group and metadata.
+- openrlhf: `observation_tokens`, `action_ranges` ([start, end) of each sampled span),
+  `rollout_log_probs` (aligned with the tokens; 0.0 outside the action ranges, as OpenRLHF's own
+  executor writes), `truncated`, `reward`.
+- atropos: groups (`group_id`) of `tokens`, `masks` (the token ID where the model sampled it, -100
+  elsewhere), `inference_logprobs` (aligned; 1.0 where masked, Atropos's convention), `scores`.
+- verifiers: `prompt_ids`/`prompt_mask` (the first prompt, mask 0), `completion_ids`,
+  `completion_mask` (1 on sampled tokens, 0 on bridges: tool results and user turns are in the
+  completion but not trained), `completion_logprobs` (0.0 where the mask is 0).
+- stepwise: per turn, `prompt_ids` = everything the model saw, `completion_ids` = what it sampled,
+  with that turn's reward if one was set, else the branch's.
+
+Bridge tokens have no place of their own in openrlhf/atropos/verifiers: they sit in the observation,
+masked out. Rewrites are listed in the tokentape format only; under the `fork` policy a rewrite is a
+separate branch and so a separate sample in every format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokentape.core.export import EXPORT_SCHEMA_VERSION, LOGPROB_MODE, export_branch
+from tokentape.core.session import SessionTree
+from tokentape.core.tape import BranchView
+from tokentape.errors import InvalidRequest
+
+__all__ = ["FORMATS", "Format", "Sample", "samples_of", "format_rows", "check_format"]
+
+Format = Literal["tokentape", "openrlhf", "atropos", "verifiers", "stepwise"]
+FORMATS: tuple[Format, ...] = ("tokentape", "openrlhf", "atropos", "verifiers", "stepwise")
+ATROPOS_MASKED = -100
+ATROPOS_MASKED_LOGPROB = 1.0
+
+
+def check_format(value: str) -> Format:
+    for known in FORMATS:
+        if value == known:
+            return known
+    raise InvalidRequest(f"format must be one of {', '.join(FORMATS)}", param="format")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One branch of one session with everything known about the episode."""
+
+    tree: SessionTree
+    branch: BranchView
+
+    @property
+    def reward(self) -> float | None:
+        return self.tree.outcome.branch_reward(self.branch.leaf.id)
+
+    def head(self) -> dict[str, Any]:
+        outcome = self.tree.outcome
+        return {
+            "schema_version": EXPORT_SCHEMA_VERSION,
+            "session_id": self.tree.session_id,
+            "branch_id": self.branch.leaf.id,
+            "group_id": outcome.group_id,
+            "reward": self.reward,
+            "finished": outcome.finished,
+            "metadata": outcome.metadata,
+        }
+
+
+def samples_of(trees: Iterable[SessionTree]) -> list[Sample]:
+    return [Sample(tree, branch) for tree in trees for branch in tree.branches()]
+
+
+def _tokentape(sample: Sample) -> dict[str, Any]:
+    turn_rewards = sample.tree.outcome.turn_rewards
+    row = {**sample.head(), **export_branch(sample.branch), "logprob_mode": LOGPROB_MODE}
+    row["turn_rewards"] = [turn_rewards.get(node.id) for node in sample.branch.nodes]
+    return row
+
+
+def _openrlhf(sample: Sample) -> dict[str, Any]:
+    branch = sample.branch
+    return {
+        **sample.head(),
+        "observation_tokens": branch.tokens,
+        "action_ranges": [list(r) for r in branch.action_ranges()],
+        "rollout_log_probs": [0.0 if lp is None else lp for lp in branch.logprobs],
+        "truncated": branch.leaf.finish_reason == "length",
+    }
+
+
+def _verifiers(sample: Sample) -> dict[str, Any]:
+    branch = sample.branch
+    ranges = branch.action_ranges()
+    split = ranges[0][0] if ranges else len(branch.tokens)
+    mask = branch.loss_mask
+    return {
+        **sample.head(),
+        "prompt_ids": branch.tokens[:split],
+        "prompt_mask": [0] * split,
+        "completion_ids": branch.tokens[split:],
+        "completion_mask": mask[split:],
+        "completion_logprobs": [0.0 if lp is None else lp for lp in branch.logprobs[split:]],
+        "is_truncated": branch.leaf.finish_reason == "length",
+    }
+
+
+def _stepwise(sample: Sample) -> list[dict[str, Any]]:
+    branch = sample.branch
+    turn_rewards = sample.tree.outcome.turn_rewards
+    rows = []
+    nodes = {node.sampled_start: node for node in branch.nodes}
+    for step, (start, end) in enumerate(branch.action_ranges()):
+        node = nodes[start]
+        rows.append(
+            {
+                **sample.head(),
+                "step": step,
+                "turn_id": node.id,
+                "reward": turn_rewards.get(node.id, sample.reward),
+                "prompt_ids": branch.tokens[:start],
+                "completion_ids": branch.tokens[start:end],
+                "completion_logprobs": branch.logprobs[start:end],
+                "finish_reason": node.finish_reason,
+            }
+        )
+    return rows
+
+
+def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    groups: dict[str | None, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.tree.outcome.group_id or f"session:{sample.tree.session_id}", []).append(sample)
+    rows = []
+    for group_id, members in groups.items():
+        rows.append(
+            {
+                "schema_version": EXPORT_SCHEMA_VERSION,
+                "group_id": group_id,
+                "session_ids": [m.tree.session_id for m in members],
+                "branch_ids": [m.branch.leaf.id for m in members],
+                "tokens": [m.branch.tokens for m in members],
+                "masks": [
+                    [t if keep else ATROPOS_MASKED for t, keep in zip(m.branch.tokens, m.branch.loss_mask, strict=True)]
+                    for m in members
+                ],
+                "inference_logprobs": [
+                    [ATROPOS_MASKED_LOGPROB if lp is None else lp for lp in m.branch.logprobs] for m in members
+                ],
+                "scores": [m.reward for m in members],
+            }
+        )
+    return rows
+
+
+def format_rows(samples: Sequence[Sample], fmt: Format) -> list[dict[str, Any]]:
+    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos)."""
+    if fmt == "atropos":
+        return _atropos(samples)
+    if fmt == "stepwise":
+        return [row for sample in samples for row in _stepwise(sample)]
+    build = {"tokentape": _tokentape, "openrlhf": _openrlhf, "verifiers": _verifiers}[fmt]
+    return [build(sample) for sample in samples]

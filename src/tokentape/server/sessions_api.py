@@ -1,0 +1,180 @@
+"""Session routes: list, create (with group and metadata), inspect, reward, finish, export one or
+many (in a trainer's format, as JSON, JSONL or Parquet), delete."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tokentape.core.export import export_session
+from tokentape.core.formats import check_format, format_rows, samples_of
+from tokentape.core.outcome import MAX_METADATA_BYTES
+from tokentape.core.session import SessionTree
+from tokentape.errors import InvalidRequest
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import check_policy, check_session_id
+from tokentape.server.errors import json_response
+from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
+
+__all__ = ["add_session_routes", "json_object"]
+
+OUTPUTS = ("json", "jsonl", "parquet")
+
+
+async def json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        if optional:
+            return {}
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        data = orjson.loads(body)  # rejects lone surrogates, which would break templates later
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return data
+
+
+def _optional_str(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"{key} must be a string", param=key)
+    return value
+
+
+def _metadata(data: dict[str, Any]) -> dict[str, Any]:
+    value = data.get("metadata") or {}
+    if not isinstance(value, dict):
+        raise InvalidRequest("metadata must be an object", param="metadata")
+    if len(orjson.dumps(value)) > MAX_METADATA_BYTES:
+        raise InvalidRequest(f"metadata is limited to {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
+    return value
+
+
+def _flag(value: str | None, param: str) -> bool | None:
+    if value is None:
+        return None
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise InvalidRequest(f"{param} must be true or false", param=param)
+
+
+def _time(value: str | None, param: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidRequest(f"{param} must be a Unix time in seconds", param=param) from None
+
+
+def _rows_response(trees: list[SessionTree], fmt_name: str, output: str) -> Response:
+    fmt = check_format(fmt_name)
+    if output not in OUTPUTS:
+        raise InvalidRequest(f"output must be one of {', '.join(OUTPUTS)}", param="output")
+    rows = format_rows(samples_of(trees), fmt)
+    if output == "jsonl":
+        return Response(to_jsonl_bytes(rows), media_type="application/x-ndjson")
+    if output == "parquet":
+        return Response(to_parquet_bytes(rows, fmt), media_type="application/vnd.apache.parquet")
+    return json_response({"object": "list", "format": fmt, "data": rows})
+
+
+def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
+    sessions = gateway.sessions
+
+    @app.get("/sessions")
+    async def list_sessions() -> dict[str, Any]:
+        return {"object": "list", "data": [s.summary() for s in sessions.all()]}
+
+    @app.post("/sessions", status_code=201)
+    async def create_session(request: Request) -> dict[str, Any]:
+        data = await json_object(request, optional=True)
+        session_id = _optional_str(data, "session_id")
+        policy = _optional_str(data, "rewrite_policy")
+        group_id = _optional_str(data, "group_id")
+        metadata = _metadata(data)
+        if session_id is not None and sessions.exists(check_session_id(session_id)):
+            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
+        reward = data.get("reward")
+        session = sessions.open(session_id, check_policy(policy) if policy is not None else None)
+        outcome = session.tree.outcome
+        outcome.group_id, outcome.metadata = group_id, metadata
+        if reward is not None:
+            outcome.set_rewards(reward=reward, turn_ids=set(), branch_ids=set())
+        return session.summary()
+
+    @app.get("/sessions/{session_id}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = sessions.get(session_id)
+        return {**session.summary(), "rewrite_events": [r.as_dict() for r in session.tree.rewrites]}
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request) -> dict[str, Any]:
+        """Set the episode's reward, and optionally per-branch (`branch_rewards`) and per-turn
+        (`turn_rewards`) ones, keyed by the ids the export shows."""
+        session = sessions.get(session_id)
+        data = await json_object(request)
+        for key in ("branch_rewards", "turn_rewards"):
+            if data.get(key) is not None and not isinstance(data[key], dict):
+                raise InvalidRequest(f"{key} must be an object of id -> number", param=key)
+        if all(data.get(k) is None for k in ("reward", "branch_rewards", "turn_rewards")):
+            raise InvalidRequest("send reward, branch_rewards or turn_rewards", param="reward")
+        tree = session.tree
+        tree.outcome.set_rewards(
+            reward=data.get("reward"),
+            branch_rewards=data.get("branch_rewards"),
+            turn_rewards=data.get("turn_rewards"),
+            turn_ids={n.id for n in tree.nodes},
+            branch_ids={leaf.id for leaf in tree.leaves},
+        )
+        return session.summary()
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str) -> dict[str, Any]:
+        """Freeze the session: later turns get 409; rewards can still be set."""
+        session = sessions.get(session_id)
+        session.finish()
+        return session.summary()
+
+    @app.get("/sessions/{session_id}/export")
+    async def export(session_id: str, format: str | None = None, output: str = "json") -> Response:
+        tree = sessions.get(session_id).tree
+        if format is None:
+            return json_response(export_session(tree))
+        return _rows_response([tree], format, output)
+
+    @app.get("/export")
+    async def export_many(
+        format: str = "tokentape",
+        output: str = "json",
+        group_id: str | None = None,
+        finished: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+    ) -> Response:
+        """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise;
+        outputs: json, jsonl, parquet), filtered by group, finished state and creation time."""
+        done = _flag(finished, "finished")
+        start, end = _time(since, "since"), _time(until, "until")
+        trees = [
+            s.tree
+            for s in sessions.all()
+            if (group_id is None or s.tree.outcome.group_id == group_id)
+            and (done is None or s.tree.outcome.finished == done)
+            and (start is None or s.tree.outcome.created_at >= start)
+            and (end is None or s.tree.outcome.created_at < end)
+        ]
+        return _rows_response(trees, format, output)
+
+    @app.delete("/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        sessions.delete(session_id)
+        return {"id": session_id, "object": "session", "deleted": True, "at": time.time()}

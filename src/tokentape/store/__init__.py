@@ -1,0 +1,1 @@
+"""Where recorded data goes: dataset files (JSONL, Parquet)."""
