@@ -112,6 +112,119 @@ def doctor(
         raise typer.Exit(code=1)
 
 
+@app.command()
+def rollout(
+    agent: Annotated[
+        str,
+        typer.Argument(
+            help="An example name (arithmetic, calculator: examples/NAME_agent.py), "
+            "path/to/file.py:func or package.module:func."
+        ),
+    ],
+    episodes: Annotated[int, typer.Option(min=1, help="Episodes to run.")] = 16,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight at once.")] = 4,
+    group_size: Annotated[int, typer.Option(min=1, help="Episodes per group (same task; GRPO groups).")] = 4,
+    url: Annotated[
+        str | None, typer.Option(help="A running gateway (tokentape serve). Default: one in this process.")
+    ] = None,
+    format: Annotated[str, typer.Option(help="Dataset format: tokentape, openrlhf, atropos, verifiers, stepwise.")] = (
+        "tokentape"
+    ),
+    out: Annotated[Path, typer.Option(help="Dataset file (.parquet or .jsonl).")] = Path("runs/rollout.parquet"),
+) -> None:
+    """Run an async agent N times through the gateway and write the episodes as a dataset."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tokentape.client import GatewayClient, InProcessGateway
+    from tokentape.core.formats import check_format
+    from tokentape.rollout import RolloutStats, load_agent, run_rollout
+    from tokentape.store.datasets import write_dataset
+
+    fmt = check_format(format)
+    run = load_agent(agent)
+    console = Console()
+
+    async def go() -> tuple[RolloutStats, int]:
+        gateway = await GatewayClient.connect(url) if url else InProcessGateway()
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "turns {task.fields[turns]}  {task.fields[tps]:.0f} tok/s  errors {task.fields[errors]}"
+                "  mean reward {task.fields[reward]}"
+            ),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("episodes", total=episodes, turns=0, tps=0.0, errors=0, reward="-")
+
+            def show(stats: RolloutStats) -> None:
+                mean = stats.mean_reward
+                progress.update(
+                    task,
+                    completed=stats.done,
+                    turns=stats.turns,
+                    tps=stats.tokens_per_second,
+                    errors=stats.errors,
+                    reward="-" if mean is None else f"{mean:.3f}",
+                )
+
+            stats = await run_rollout(
+                run, gateway, episodes=episodes, concurrency=concurrency, group_size=group_size, on_progress=show
+            )
+        rows = (await gateway.export_all(format=fmt, prefix=f"{stats.run_id}-"))["data"]
+        write_dataset(rows, out, fmt)
+        await gateway.aclose()
+        return stats, len(rows)
+
+    stats, count = asyncio.run(go())
+    mean = stats.mean_reward
+    console.print(
+        f"{stats.done} episodes ({stats.errors} errors), {stats.turns} turns, {stats.sampled_tokens} "
+        f"sampled tokens, mean reward {'-' if mean is None else f'{mean:.3f}'}"
+    )
+    console.print(f"dataset: {out} ({count} {fmt} rows, run {stats.run_id})")
+    for message in stats.error_messages[:5]:
+        console.print(f"[red]{message}[/]")
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Argument(help="Dataset file (.parquet or .jsonl).")],
+    url: Annotated[str, typer.Option(help="The gateway to export from.")] = "http://127.0.0.1:8000",
+    format: Annotated[str, typer.Option(help="tokentape, openrlhf, atropos, verifiers or stepwise.")] = "tokentape",
+    group_id: Annotated[str | None, typer.Option(help="Only this group.")] = None,
+    finished: Annotated[bool | None, typer.Option("--finished/--unfinished", help="Only (un)finished sessions.")] = (
+        None
+    ),
+    since: Annotated[float | None, typer.Option(help="Only sessions created at or after this Unix time.")] = None,
+) -> None:
+    """Export recorded sessions from a running gateway as a dataset file."""
+    import httpx
+
+    from tokentape.core.formats import check_format
+    from tokentape.store.datasets import write_dataset
+
+    fmt = check_format(format)
+    params = {
+        "format": fmt,
+        "group_id": group_id,
+        "since": since,
+        "finished": None if finished is None else str(finished).lower(),
+    }
+    response = httpx.get(f"{url}/export", params={k: v for k, v in params.items() if v is not None}, timeout=None)
+    if response.status_code != 200:
+        typer.echo(f"export failed: {response.text}", err=True)
+        raise typer.Exit(code=1)
+    rows = response.json()["data"]
+    write_dataset(rows, out, fmt)
+    typer.echo(f"{out}: {len(rows)} {fmt} rows")
+
+
 def main() -> None:
     app()
 

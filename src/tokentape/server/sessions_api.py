@@ -138,9 +138,15 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         return session.summary()
 
     @app.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str) -> dict[str, Any]:
-        """Freeze the session: later turns get 409; rewards can still be set."""
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        """Freeze the session: later turns get 409; rewards can still be set. An optional body
+        `{"metadata": {...}}` is merged into the session's metadata."""
         session = sessions.get(session_id)
+        data = await json_object(request, optional=True)
+        metadata = {**session.tree.outcome.metadata, **_metadata(data)}
+        if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+            raise InvalidRequest(f"metadata is limited to {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
+        session.tree.outcome.metadata = metadata
         session.finish()
         return session.summary()
 
@@ -159,9 +165,11 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         finished: str | None = None,
         since: str | None = None,
         until: str | None = None,
+        prefix: str | None = None,
     ) -> Response:
         """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise;
-        outputs: json, jsonl, parquet), filtered by group, finished state and creation time."""
+        outputs: json, jsonl, parquet), filtered by group, finished state, creation time and session
+        id prefix."""
         done = _flag(finished, "finished")
         start, end = _time(since, "since"), _time(until, "until")
         trees = [
@@ -171,6 +179,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
             and (done is None or s.tree.outcome.finished == done)
             and (start is None or s.tree.outcome.created_at >= start)
             and (end is None or s.tree.outcome.created_at < end)
+            and (prefix is None or s.id.startswith(prefix))
         ]
         return _rows_response(trees, format, output)
 

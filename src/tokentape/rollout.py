@@ -1,0 +1,134 @@
+"""`tokentape rollout`: run an async agent function N times against the gateway, in groups, with a
+live progress bar, and write the recorded episodes as a dataset.
+
+An agent is `async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float | None`: the client
+is already bound to the episode's session; the return value is the episode's reward. Episodes of
+one group share a task (`episode.group`), as GRPO groups do. An agent that raises is counted as an
+error; its session is kept, finished, with the error in its metadata and no reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+from tokentape.client import GatewayClient
+from tokentape.errors import InvalidRequest
+
+__all__ = ["Agent", "Episode", "RolloutStats", "load_agent", "run_rollout"]
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    index: int
+    group: int  # episodes of one group share a task
+    member: int  # position inside the group
+    session_id: str
+    model: str
+
+
+Agent = Callable[[openai.AsyncOpenAI, Episode], Awaitable[float | None]]
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    run_id: str
+    episodes: int
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0
+    errors: int = 0
+    turns: int = 0
+    sampled_tokens: int = 0
+    rewards: list[float] = field(default_factory=list)
+    error_messages: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.sampled_tokens / max(time.monotonic() - self.started, 1e-9)
+
+    @property
+    def mean_reward(self) -> float | None:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+
+def load_agent(target: str, examples_dir: Path = Path("examples")) -> Agent:
+    """`arithmetic` (examples/arithmetic_agent.py:agent), `path/to/file.py:func` or `package.module:func`."""
+    module_part, _, func = target.partition(":")
+    func = func or "agent"
+    example = examples_dir / f"{module_part}_agent.py"
+    if ":" not in target and example.is_file():
+        path = example
+    elif module_part.endswith(".py"):
+        path = Path(module_part)
+    else:
+        path = None
+    if path is not None:
+        if not path.is_file():
+            raise InvalidRequest(f"no agent file {path}", param="agent")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise InvalidRequest(f"cannot load {path}", param="agent")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as exc:
+            raise InvalidRequest(f"cannot import {module_part}: {exc}", param="agent") from exc
+    agent = getattr(module, func, None)
+    if not callable(agent):
+        raise InvalidRequest(f"{target} names no function {func!r}", param="agent")
+    loaded: Agent = agent
+    return loaded
+
+
+async def run_rollout(
+    agent: Agent,
+    gateway: GatewayClient,
+    *,
+    episodes: int,
+    concurrency: int,
+    group_size: int,
+    on_progress: Callable[[RolloutStats], None] = lambda _: None,
+    run_id: str | None = None,
+) -> RolloutStats:
+    stats = RolloutStats(run_id or f"run-{uuid.uuid4().hex[:8]}", episodes)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int) -> None:
+        group, member = divmod(index, group_size)
+        session_id = f"{stats.run_id}-{index:05d}"
+        episode = Episode(index, group, member, session_id, gateway.model)
+        async with gate:
+            await gateway.create_session(
+                session_id, group_id=f"{stats.run_id}-g{group:04d}", metadata={"run": stats.run_id, "episode": index}
+            )
+            client = gateway.client(session_id)
+            reward: float | None = None
+            error: dict[str, str] | None = None
+            try:
+                reward = await agent(client, episode)
+            except Exception as exc:  # a bad rollout is data, not a crash
+                stats.errors += 1
+                stats.error_messages.append(f"episode {index}: {exc!r}")
+                error = {"error": traceback.format_exc()[-4000:]}
+            rewards = {"reward": reward} if reward is not None else {}
+            summary = await gateway.finish(session_id, metadata=error, **rewards)
+            stats.done += 1
+            stats.turns += int(summary["turns"])
+            stats.sampled_tokens += int(summary["sampled_tokens"])
+            if reward is not None:
+                stats.rewards.append(float(reward))
+            on_progress(stats)
+
+    await asyncio.gather(*(one(i) for i in range(episodes)))
+    return stats
