@@ -137,6 +137,7 @@ class WireBuilder:
                     "finish_reason": c.finish_reason,
                     "logprobs": None if top is None else self.completion_logprobs(c.tokens, top, len(echo)),
                     "token_ids": [t.token_id for t in c.tokens],
+                    "prompt_token_ids": self.prompt,  # per choice too, where vLLM and verifiers look
                 }
                 for c in choices
             ],

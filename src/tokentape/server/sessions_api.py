@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 
 from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
@@ -19,6 +19,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_policy, check_session_id
 from tokentape.server.errors import json_response
 from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
+from tokentape.viewer import page
 
 __all__ = ["add_session_routes", "json_object"]
 
@@ -151,11 +152,22 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         return session.summary()
 
     @app.get("/sessions/{session_id}/export")
-    async def export(session_id: str, format: str | None = None, output: str = "json") -> Response:
+    async def export(session_id: str, format: str | None = None, output: str = "json", texts: bool = False) -> Response:
+        """One session. Without `format`: the native export; `texts=true` adds each token's text."""
         tree = sessions.get(session_id).tree
         if format is None:
-            return json_response(export_session(tree))
+            exported = export_session(tree)
+            if texts:
+                tokenizer = gateway.renderer.tokenizer
+                for branch in exported["branches"]:
+                    branch["token_texts"] = [tokenizer.decode_all([t]) for t in branch["tokens"]]
+            return json_response(exported)
         return _rows_response([tree], format, output)
+
+    @app.get("/view", response_class=HTMLResponse)
+    async def view() -> str:
+        """The token-level viewer of this gateway's sessions."""
+        return page()
 
     @app.get("/export")
     async def export_many(
