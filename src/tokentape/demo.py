@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokentape.launcher import running_server
+from tokentape.viewer import static_page
 
 __all__ = ["run_demo", "EPISODE_KINDS"]
 
@@ -103,6 +104,11 @@ async def _run_episodes(base_url: str, episodes: int, out: Path) -> list[dict[st
         with (out / "sessions.jsonl").open("w") as f:
             for row in rows:
                 f.write(json.dumps(row["export"]) + "\n")
+        listed = (await http.get("/sessions")).json()["data"]
+        exports = {
+            s["session_id"]: (await http.get(f"/sessions/{s['session_id']}/export?texts=true")).json() for s in listed
+        }
+        (out / "viewer.html").write_text(static_page({"sessions": listed, "exports": exports}), encoding="utf-8")
         return rows
 
 
@@ -137,6 +143,7 @@ def run_demo(*, episodes: int, out: Path, port: int) -> None:
         f"({totals['sampled']} sampled)  rewrites detected: {totals['rewrites']}"
     )
     console.print(f"export: {out / 'sessions.jsonl'} (one session per line, every branch token-exact)")
+    console.print(f"viewer: {out / 'viewer.html'} (open in a browser: every token, its origin and logprob)")
     console.print(
         "your own agent: run `tokentape serve`, then point any OpenAI client at "
         "base_url='http://127.0.0.1:8000/sessions/<episode-id>/v1' (or send header X-Session-ID), "

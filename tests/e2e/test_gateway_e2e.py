@@ -6,7 +6,7 @@ what the session export holds, turn after turn, including streamed and truncated
 
 from __future__ import annotations
 
-import itertools
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +17,10 @@ import httpx
 import openai
 import pytest
 
+from tests.support.scenarios import five_turn_scenario
+from tokentape.client import InProcessGateway
 from tokentape.launcher import RunningServer, running_server
+from tokentape.runtime import RuntimeSettings
 
 pytestmark = pytest.mark.e2e
 
@@ -43,81 +46,14 @@ def _extra(obj: Any, name: str) -> Any:
     return (obj.model_extra or {})[name]
 
 
-async def _streamed_turn(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:
-    stream = await client.chat.completions.create(stream=True, **kwargs)
-    prompt: list[int] = []
-    text, ids, logprobs, finish = "", [], [], None
-    async for chunk in stream:
-        extra = chunk.model_extra or {}
-        prompt = extra.get("prompt_token_ids", prompt)
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            ids += (choice.model_extra or {}).get("token_ids", [])
-            if choice.logprobs and choice.logprobs.content:
-                logprobs += [entry.logprob for entry in choice.logprobs.content]
-            finish = choice.finish_reason or finish
-    return {"prompt": prompt, "ids": ids, "text": text, "logprobs": logprobs, "finish": finish}
-
-
-async def _plain_turn(client: openai.AsyncOpenAI, **kwargs: Any) -> dict[str, Any]:
-    reply = await client.chat.completions.create(**kwargs)
-    choice = reply.choices[0]
-    assert choice.logprobs is not None and choice.logprobs.content is not None
-    return {
-        "prompt": _extra(reply, "prompt_token_ids"),
-        "ids": _extra(choice, "token_ids"),
-        "text": choice.message.content,
-        "logprobs": [entry.logprob for entry in choice.logprobs.content],
-        "finish": choice.finish_reason,
-    }
-
-
 def _tokenize(server: RunningServer, **body: Any) -> list[int]:
     tokens: list[int] = httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
     return tokens
 
 
 async def test_five_turns_are_exported_exactly_as_they_were_served(server: RunningServer, model: str) -> None:
-    client = _client(server, "five-turns")
-    questions = ["What is a cat?", "Tell me more.", "Why?", "Give an example.", "Thanks, summarise."]
-    messages: list[Any] = []
-    calls = []
-    for turn, question in enumerate(questions):
-        messages.append({"role": "user", "content": question})
-        kwargs: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
-            "temperature": 0.8,
-            "seed": turn,
-            "max_tokens": 3 if turn == 2 else 40,
-        }
-        call = await (_streamed_turn(client, **kwargs) if turn == 1 else _plain_turn(client, **kwargs))
-        calls.append(call)
-        messages.append({"role": "assistant", "content": call["text"]})
-    assert calls[2]["finish"] == "length"
-    assert calls[1]["ids"] and calls[1]["prompt"]
-
-    export = httpx.get(f"{server.base_url}/sessions/five-turns/export").json()
-    (branch,) = export["branches"]
-    tokens, mask, logprobs = branch["tokens"], branch["loss_mask"], branch["logprobs"]
-    assert len(tokens) == len(mask) == len(logprobs) == len(branch["origins"]) == len(branch["turns"])
-    for call, (start, end) in zip(calls, branch["action_ranges"], strict=True):
-        assert tokens[: len(call["prompt"])] == call["prompt"]
-        assert (start, end) == (len(call["prompt"]), len(call["prompt"]) + len(call["ids"]))
-        assert tokens[start:end] == call["ids"]
-        assert mask[start:end] == [1] * len(call["ids"])
-        assert logprobs[start:end] == pytest.approx(call["logprobs"], abs=1e-12)
-    assert sum(mask) == sum(len(c["ids"]) for c in calls)
-    assert all((lp is None) == (m == 0) for lp, m in zip(logprobs, mask, strict=True))
-    assert branch["finish_reasons"][2] == "length"
-    assert branch["truncated"] is False and branch["finish_reasons"][-1] in ("stop", "length")
-
-    # no turn close doubled or dropped: as many as the template's own rendering of the whole episode
-    (im_end,) = _tokenize(server, prompt="<|im_end|>")
-    rendered = _tokenize(server, messages=messages, add_generation_prompt=False)
-    closed_last = calls[-1]["finish"] == "stop"
-    assert tokens.count(im_end) == rendered.count(im_end) - (0 if closed_last else 1)
-    assert all(not (a == b == im_end) for a, b in itertools.pairwise(tokens))
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        await five_turn_scenario(_client(server, "five-turns"), model, http, "five-turns")
 
 
 async def test_n_two_makes_two_branches(server: RunningServer, model: str) -> None:
@@ -229,3 +165,140 @@ def test_the_plain_sdk_example_records_its_episode(server: RunningServer) -> Non
     assert "training data:" in done.stdout
     summary = httpx.get(f"{server.base_url}/sessions/example-run").json()
     assert (summary["turns"], summary["branches"], summary["rewrites"]) == (2, 1, 0)
+
+
+def _comparable(body: dict[str, Any]) -> dict[str, Any]:
+    """A response without what differs by design between two servers (ids, times, session names)."""
+    body = {k: v for k, v in body.items() if k not in ("id", "created", "session_id")}
+    for choice in body.get("choices", []):
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            entry["logprob"] = round(entry["logprob"], 3)
+            for alt in entry.get("top_logprobs", []):
+                alt["logprob"] = round(alt["logprob"], 3)
+    return body
+
+
+async def test_the_in_process_client_answers_exactly_like_the_server(server: RunningServer, model: str) -> None:
+    local = InProcessGateway(RuntimeSettings(context_length=2048))
+    try:
+        await five_turn_scenario(local.client("five-local"), local.model, local.http, "five-local")
+        requests: list[dict[str, Any]] = [
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "Name a colour."}],
+                "max_tokens": 12,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+            {"model": model, "messages": [], "max_tokens": 3},
+            {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+            {"model": model, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+        ]
+        async with httpx.AsyncClient(base_url=server.base_url) as remote:
+            for body in requests:
+                there = await remote.post("/sessions/cmp/v1/chat/completions", json=body)
+                here = await local.http.post("/sessions/cmp/v1/chat/completions", json=body)
+                assert here.status_code == there.status_code
+                assert _comparable(here.json()) == _comparable(there.json())
+            raw = {"model": model, "prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0, "logprobs": 1}
+            there = await remote.post("/v1/completions", json=raw)
+            here = await local.http.post("/v1/completions", json=raw)
+            assert here.json()["choices"][0]["token_ids"] == there.json()["choices"][0]["token_ids"]
+    finally:
+        await local.aclose()
+
+
+async def test_verifiers_reads_token_data_from_responses(model: str) -> None:
+    """The access pattern of verifiers' parse_response_tokens (chat: top-level prompt_token_ids,
+    choices[0].token_ids, choices[0].logprobs.content[j].logprob; completions: the same on the choice,
+    with logprobs.token_logprobs), applied to what the in-process client returns."""
+    local = InProcessGateway(RuntimeSettings(context_length=2048))
+    try:
+        client = local.client("vf")
+        chat = await client.chat.completions.create(
+            model=local.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, logprobs=True
+        )
+        choice = chat.choices[0]
+        assert hasattr(chat, "prompt_token_ids") and hasattr(choice, "token_ids")
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        prompt_ids = chat.prompt_token_ids  # type: ignore[attr-defined]
+        completion_ids = choice.token_ids  # type: ignore[attr-defined]
+        completion_logprobs = [token.logprob for token in choice.logprobs.content]
+        (branch,) = (await local.export("vf"))["branches"]
+        assert branch["tokens"] == prompt_ids + completion_ids
+        assert branch["logprobs"][len(prompt_ids) :] == completion_logprobs
+        text = await client.completions.create(model=local.model, prompt="Once upon", max_tokens=4, logprobs=0)
+        first = text.choices[0]
+        assert first.prompt_token_ids and first.token_ids  # type: ignore[attr-defined]
+        assert first.logprobs is not None and len(first.logprobs.token_logprobs or []) == len(first.token_ids)  # type: ignore[attr-defined]
+    finally:
+        await local.aclose()
+
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=8000",
+    "--window-size=1400,900",
+]
+
+
+def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert binary, "Debian's chromium is needed for the viewer test (make setup installs it)"
+    profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
+    return subprocess.run(
+        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+
+async def test_the_viewer_shows_a_recorded_session_in_a_browser(
+    server: RunningServer, model: str, tmp_path: Path
+) -> None:
+    session = "viewed"
+    client = _client(server, session)
+    messages: list[Any] = [{"role": "user", "content": "Name three fruits."}]
+    reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=16, n=2, seed=1)
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And vegetables?"},
+    ]
+    await client.chat.completions.create(model=model, messages=messages, max_tokens=12, seed=2)
+    export = httpx.get(f"{server.base_url}/sessions/{session}/export", params={"texts": "true"}).json()
+    shown = max(export["branches"], key=lambda b: b["branch_id"])  # the page opens the newest branch
+
+    dom = _chromium(tmp_path, "--dump-dom", f"{server.base_url}/view#session={session}").stdout
+    assert 'data-ready="true"' in dom
+    assert dom.count('data-origin="sampled"') == sum(shown["loss_mask"])
+    assert dom.count('data-origin="bridge"') == shown["origins"].count("bridge")
+    assert dom.count('class="node') == len({t for b in export["branches"] for t in b["turn_ids"]})
+    assert "fruits" in dom and "vegetables" in dom
+
+    output = Path(__file__).resolve().parents[2] / "test-output"
+    output.mkdir(exist_ok=True)
+    screenshot = output / "viewer.png"
+    _chromium(tmp_path, f"--screenshot={screenshot}", f"{server.base_url}/view#session={session}")
+    assert screenshot.stat().st_size > 10_000
+
+    snapshot = output / "viewer.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "tokentape", "view", "--url", server.base_url, "--out", str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "static snapshot" in done.stdout
+    static_dom = _chromium(tmp_path, "--dump-dom", f"{snapshot.as_uri()}#session={session}").stdout
+    assert static_dom.count('data-origin="sampled"') == sum(shown["loss_mask"])
