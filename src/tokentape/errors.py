@@ -73,6 +73,10 @@ class Overloaded(TokentapeError):
     error_type = "rate_limit_error"
     default_code = "overloaded"
 
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
 
 class EngineFailure(TokentapeError):
     """The engine failed while generating."""

@@ -135,6 +135,7 @@ class SessionTree:
         prompt_chain: bytes,
         prompt_length: int,
         reply: Message,
+        request_key: bytes | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
@@ -152,15 +153,26 @@ class SessionTree:
             message_count=prompt_length + 1,
             reply=dict(reply),
             rewrite=turn.rewrite,
+            request_key=request_key,
         )
-        if turn.parent is not None:
-            turn.parent.children.append(node)
+        self.restore(node)
+        return node
+
+    def restore(self, node: TurnNode) -> None:
+        """Add a node built elsewhere (attach, or a store reloading a session): index it."""
+        if node.id != len(self.nodes):
+            raise ValueError(f"turn {node.id} restored out of order (expected {len(self.nodes)})")
+        if node.parent is not None:
+            node.parent.children.append(node)
         self.nodes.append(node)
         self._by_chain.setdefault(node.chain, node)
-        self._by_prompt_chain.setdefault(prompt_chain, node)
-        if turn.rewrite is not None and (not self.rewrites or self.rewrites[-1] is not turn.rewrite):
-            self.rewrites.append(turn.rewrite)
-        return node
+        self._by_prompt_chain.setdefault(node.prompt_chain, node)
+        if node.rewrite is not None and (not self.rewrites or self.rewrites[-1] != node.rewrite):
+            self.rewrites.append(node.rewrite)
+
+    def turns_for_request(self, request_key: bytes) -> list[TurnNode]:
+        """The turns (one per choice) a request produced."""
+        return [node for node in self.nodes if node.request_key == request_key]
 
     def fork_point(self, branch_end: TurnNode, tokens: Sequence[int]) -> tuple[TurnNode | None, int]:
         """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens)."""

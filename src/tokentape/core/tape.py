@@ -72,6 +72,7 @@ class TurnNode:
     message_count: int  # request messages + 1 (the reply)
     reply: Mapping[str, Any] = field(default_factory=dict)  # the assistant message this turn returned
     rewrite: Rewrite | None = None
+    request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

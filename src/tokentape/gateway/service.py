@@ -21,9 +21,11 @@ from tokentape.core.session import Extend, Fresh, NewTurn, plan_request
 from tokentape.core.tape import FinishReason, Origin, Rewrite, RewritePolicy, TurnNode, path_tokens
 from tokentape.core.text import StopStringFilter, TextAssembler
 from tokentape.engines.base import Engine, SampledToken
-from tokentape.errors import Conflict, ContextOverflow, InvalidRequest
+from tokentape.errors import Conflict, ContextOverflow, EngineFailure, InvalidRequest, Overloaded
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
+
+ENGINE_ATTEMPTS = 2  # an engine error before the first token is retried once
 
 __all__ = ["Gateway", "ChatCall", "CompletionCall", "Started", "TextDelta", "ChoiceDone", "Event"]
 
@@ -36,6 +38,8 @@ class ChatCall:
     session_id: str | None = None
     rewrite_policy: RewritePolicy | None = None
     parse_tool_calls: bool = False  # tools were offered and tool_choice is not "none"
+    request_key: bytes | None = None  # names this request's body, for SDK retries
+    retry: bool = False  # an SDK retry (x-stainless-retry-count > 0): replay, never sample again
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,8 @@ class CompletionCall:
     sampling: SamplingParams
     session_id: str | None = None
     echo: bool = False
+    request_key: bytes | None = None
+    retry: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,23 +96,34 @@ class _Plan:
     prompt_chain: bytes  # chain hash of the request's messages
     prompt_length: int  # how many messages the request had
     reply_mode: ReplyMode | None = None  # None: raw completion text
+    request_key: bytes | None = None
 
 
 class Gateway:
-    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry) -> None:
+    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_waiting: int = 64) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sessions = sessions
+        self.max_waiting = max_waiting  # requests admitted at once; more get 429 with Retry-After
+        self.active = 0
+        self.engine_calls = 0
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
 
     # -- chat ------------------------------------------------------------------------------------
     async def chat(self, call: ChatCall) -> AsyncIterator[Event]:
         """Stream the events of one chat request; every choice is recorded as a turn."""
-        with self._session_for(call.session_id, call.rewrite_policy) as session:
-            session.check_open()
-            plan = await self._plan_chat(session, call)
-            self._check_room(plan.prompt, call.sampling)
-            session.requests += 1
+        with self._session_for(call.session_id, call.rewrite_policy, call.request_key) as session:
+            replayed = await self._replay(session, call.request_key, call.retry)
+            if replayed is None:
+                session.check_open()
+                self._admit()
+                plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
+                self._check_room(plan.prompt, call.sampling)
+                session.requests += 1
+        if replayed is not None:
+            for event in replayed:
+                yield event
+            return
         async for event in self._run(plan, call.sampling):
             yield event
 
@@ -181,24 +198,68 @@ class Gateway:
                 raise InvalidRequest(f"prompt token IDs must be between 0 and {vocab - 1}", param="prompt")
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        with self._session_for(call.session_id, None) as session:
-            session.check_open()
-            self._check_room(prompt, call.sampling)
-            parent = _deepest_prefix_node(session.tree.nodes, prompt)
-            keep = parent.end if parent is not None else 0
-            turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
-            # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
-            chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
-            session.requests += 1
-        async for event in self._run(_Plan(session, turn, prompt, chain, 1), call.sampling):
+        with self._session_for(call.session_id, None, call.request_key) as session:
+            replayed = await self._replay(session, call.request_key, call.retry)
+            if replayed is None:
+                session.check_open()
+                self._admit()
+                self._check_room(prompt, call.sampling)
+                parent = _deepest_prefix_node(session.tree.nodes, prompt)
+                keep = parent.end if parent is not None else 0
+                turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
+                # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
+                chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
+                session.requests += 1
+        if replayed is not None:
+            for event in replayed:
+                yield event
+            return
+        plan = _Plan(session, turn, prompt, chain, 1, request_key=call.request_key)
+        async for event in self._run(plan, call.sampling):
             yield event
+
+    # -- retries ---------------------------------------------------------------------------------------
+    async def _replay(self, session: Session, key: bytes | None, retry: bool) -> list[Event] | None:
+        """An SDK retry of a request already answered (or still running): its recorded turns, again.
+
+        One request, one turn per choice: a retry never samples again.
+        """
+        if key is None or not retry:
+            return None
+        first_attempt = session.pending.get(key)
+        if first_attempt is not None:
+            await asyncio.shield(first_attempt)
+        nodes = [n for n in session.tree.turns_for_request(key) if n.finish_reason != "abort"]
+        if not nodes:
+            return None
+        events: list[Event] = [Started(session.id, path_tokens(nodes[0])[: nodes[0].sampled_start])]
+        for index, node in enumerate(nodes):
+            reply = ParsedReply(
+                str(node.reply.get("content") or ""),
+                node.reply.get("reasoning_content"),
+                list(node.reply.get("tool_calls") or []),
+            )
+            tokens = [SampledToken(t, lp) for t, lp in zip(node.sampled, node.logprobs, strict=True)]
+            events.append(TextDelta(index, reply.content, tokens, reply.reasoning or ""))
+            events.append(ChoiceDone(index, reply, reply.content, tokens, node.finish_reason, node.id))
+        return events
+
+    def _admit(self) -> None:
+        if self.active >= self.max_waiting:
+            raise Overloaded(
+                f"{self.active} requests are already waiting for the engine; retry shortly", retry_after=1.0
+            )
 
     # -- shared --------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _session_for(self, session_id: str | None, policy: RewritePolicy | None) -> Any:
+    def _session_for(
+        self, session_id: str | None, policy: RewritePolicy | None, request_key: bytes | None = None
+    ) -> Any:
         """Open a session for one request; a session the request created is dropped if it fails."""
         existed = session_id is not None and self.sessions.exists(session_id)
         session = self.sessions.open(session_id, policy)
+        if session_id is None and request_key is not None:
+            self.sessions.remember_unnamed(request_key, session.id)
         try:
             yield session
         except BaseException:
@@ -217,10 +278,24 @@ class Gateway:
             )
 
     async def _run(self, plan: _Plan, sampling: SamplingParams) -> AsyncIterator[Event]:
-        yield Started(plan.session.id, plan.prompt)
-        for index in range(sampling.n):
-            async for event in self._choice(plan, sampling, index):
-                yield event
+        session = plan.session
+        session.in_flight += 1
+        self.active += 1
+        first_attempt: asyncio.Future[None] | None = None
+        if plan.request_key is not None and plan.request_key not in session.pending:
+            first_attempt = asyncio.get_running_loop().create_future()
+            session.pending[plan.request_key] = first_attempt
+        try:
+            yield Started(session.id, plan.prompt)
+            for index in range(sampling.n):
+                async for event in self._choice(plan, sampling, index):
+                    yield event
+        finally:
+            session.in_flight -= 1
+            self.active -= 1
+            if first_attempt is not None and plan.request_key is not None:
+                session.pending.pop(plan.request_key, None)
+                first_attempt.set_result(None)
 
     async def _choice(self, plan: _Plan, sampling: SamplingParams, index: int) -> AsyncIterator[Event]:
         tokens: list[SampledToken] = []
@@ -252,17 +327,25 @@ class Gateway:
             return event
 
         try:
-            stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
-            async with contextlib.aclosing(stream):
-                async for sample in stream:
-                    tokens.append(sample)
-                    pending.append(sample)
-                    piece = self.renderer.tokenizer.token_bytes(sample.token_id)
-                    if (event := delta(stops.feed(assembler.feed(piece)))) is not None:
-                        yield event
-                    if stops.stopped or sample.token_id in stop_ids:
-                        finish = "stop"
-                        break
+            for attempt in range(ENGINE_ATTEMPTS):
+                try:
+                    self.engine_calls += 1
+                    stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
+                    async with contextlib.aclosing(stream):
+                        async for sample in stream:
+                            tokens.append(sample)
+                            pending.append(sample)
+                            piece = self.renderer.tokenizer.token_bytes(sample.token_id)
+                            if (event := delta(stops.feed(assembler.feed(piece)))) is not None:
+                                yield event
+                            if stops.stopped or sample.token_id in stop_ids:
+                                finish = "stop"
+                                break
+                    break
+                except EngineFailure:
+                    # before the first token a retry is invisible; after it, it would duplicate the turn
+                    if tokens or attempt + 1 == ENGINE_ATTEMPTS:
+                        raise
             if finish != "stop":
                 finish = "length"
             if (event := delta(stops.feed(assembler.finish()) + stops.finish(), final=True)) is not None:
@@ -288,7 +371,12 @@ class Gateway:
                     prompt_chain=plan.prompt_chain,
                     prompt_length=plan.prompt_length,
                     reply=reply.message(),
+                    request_key=plan.request_key,
                 )
+                if not completed:  # the caller is gone: write without waiting for it
+                    self.sessions.store.save_turn_later(plan.session.tree, node, plan.request_key)
+        # written before it is acknowledged: the response never gets ahead of the store
+        await self.sessions.store.save_turn(plan.session.tree, node, plan.request_key)
         yield ChoiceDone(index, reply, "".join(text_parts), tokens, finish, node.id)
 
 

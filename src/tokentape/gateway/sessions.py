@@ -8,15 +8,18 @@ import asyncio
 import re
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound
+from tokentape.store.sqlite import SqliteStore
 
-__all__ = ["Session", "SessionRegistry", "REWRITE_POLICIES", "check_session_id", "check_policy"]
+__all__ = ["MemoryLimits", "Session", "SessionRegistry", "REWRITE_POLICIES", "check_session_id", "check_policy"]
 
 REWRITE_POLICIES: tuple[RewritePolicy, ...] = ("tape", "fork", "strict")
+UNNAMED_REQUESTS_KEPT = 4096  # SDK retries come within seconds; this covers minutes of traffic
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -40,8 +43,10 @@ def check_policy(policy: str) -> RewritePolicy:
 @dataclass(eq=False)
 class Session:
     tree: SessionTree
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     requests: int = 0
+    in_flight: int = 0  # requests running now; a session is never evicted while one runs
+    last_used: float = field(default_factory=time.monotonic)
+    pending: dict[bytes, asyncio.Future[None]] = field(default_factory=dict)  # request key -> first attempt
 
     @property
     def id(self) -> str:
@@ -61,16 +66,55 @@ class Session:
             self.tree.outcome.finished_at = time.time()
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryLimits:
+    """Sessions are always in the store; these bound how many stay in memory as well."""
+
+    max_sessions: int = 10_000
+    idle_seconds: float = 3600.0  # a session unused this long leaves memory (it reloads on use)
+
+
 class SessionRegistry:
-    def __init__(self, default_policy: RewritePolicy = "tape") -> None:
+    """Sessions in memory, backed by the store: a session missing from memory is reloaded from it."""
+
+    def __init__(
+        self,
+        default_policy: RewritePolicy = "tape",
+        store: SqliteStore | None = None,
+        limits: MemoryLimits = MemoryLimits(),
+    ) -> None:
         self.default_policy: RewritePolicy = default_policy
+        self.store = store or SqliteStore(":memory:")
+        self.limits = limits
         self._sessions: dict[str, Session] = {}
+        self.evicted = 0
+        # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
+        self._unnamed: OrderedDict[bytes, str] = OrderedDict()
+
+    def remember_unnamed(self, request_key: bytes, session_id: str) -> None:
+        self._unnamed[request_key] = session_id
+        while len(self._unnamed) > UNNAMED_REQUESTS_KEPT:
+            self._unnamed.popitem(last=False)
+
+    def unnamed_session(self, request_key: bytes) -> str | None:
+        return self._unnamed.get(request_key)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: str) -> Session:
+    def _load(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)
+        if session is None:
+            tree = self.store.load(session_id)
+            if tree is None:
+                return None
+            session = Session(tree)
+            self._sessions[session_id] = session
+        session.last_used = time.monotonic()
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._load(session_id)
         if session is None:
             raise NotFound(f"no session {session_id!r}", param="session_id", code="session_not_found")
         return session
@@ -80,21 +124,54 @@ class SessionRegistry:
         if session_id is None:
             session_id = f"call-{uuid.uuid4().hex}"
         check_session_id(session_id)
-        session = self._sessions.get(session_id)
+        session = self._load(session_id)
         if session is None:
+            if self.store.is_deleted(session_id):
+                raise Conflict(f"session {session_id!r} was deleted", param="session_id", code="session_deleted")
             session = Session(SessionTree(session_id, policy or self.default_policy, created_at=time.time()))
             self._sessions[session_id] = session
+        self._evict()
         return session
 
     def exists(self, session_id: str) -> bool:
-        return session_id in self._sessions
+        return self._load(session_id) is not None
 
     def discard(self, session_id: str) -> None:
+        """Forget a session that was never written (its first request failed)."""
         self._sessions.pop(session_id, None)
 
-    def delete(self, session_id: str) -> None:
+    async def delete(self, session_id: str) -> None:
         self.get(session_id)
-        del self._sessions[session_id]
+        self._sessions.pop(session_id, None)
+        await self.store.delete(session_id)
+
+    async def persist(self, session: Session) -> None:
+        """Write a session's row (creation, rewards, finish)."""
+        if not await self.store.save_session(session.tree):
+            raise Conflict(f"session {session.id!r} was deleted", param="session_id", code="session_deleted")
 
     def all(self) -> list[Session]:
-        return list(self._sessions.values())
+        """Every stored session: those in memory, and the others loaded for this call only."""
+        listed = list(self._sessions.values())
+        for session_id in self.store.session_ids():
+            if session_id not in self._sessions:
+                tree = self.store.load(session_id)
+                if tree is not None:
+                    listed.append(Session(tree))
+        return listed
+
+    def _evict(self) -> None:
+        """Drop idle sessions from memory, oldest first, down to the limit. They stay in the store."""
+        now = time.monotonic()
+        idle = [s for s in self._sessions.values() if not s.in_flight and now - s.last_used > self.limits.idle_seconds]
+        for session in idle:
+            del self._sessions[session.id]
+            self.evicted += 1
+        if len(self._sessions) <= self.limits.max_sessions:
+            return
+        for session in sorted(self._sessions.values(), key=lambda s: s.last_used):
+            if len(self._sessions) <= self.limits.max_sessions:
+                break
+            if not session.in_flight:
+                del self._sessions[session.id]
+                self.evicted += 1

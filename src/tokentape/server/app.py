@@ -4,6 +4,7 @@ that only lets you set `base_url` still lands in its session. A session may also
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
@@ -42,6 +43,18 @@ async def _parse(request: Request, model: type[_Body]) -> tuple[_Body, dict[str,
         return model.model_validate(data), data
     except pydantic.ValidationError as exc:
         raise invalid_from_validation(exc) from exc
+
+
+def _request_key(request: Request, body: bytes) -> bytes:
+    """Names a request by where it went and what it said; an SDK retry repeats both exactly."""
+    return hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
+
+
+def _is_retry(request: Request) -> bool:
+    try:
+        return int(request.headers.get("x-stainless-retry-count", "0")) > 0
+    except ValueError:
+        return False
 
 
 def _session_id(request: Request, body_value: str | None) -> str | None:
@@ -86,6 +99,13 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
     app = FastAPI(title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0")
     install_error_handlers(app)
     tokenizer = gateway.renderer.tokenizer
+
+    async def _resolve_session(request: Request, body_value: str | None) -> str | None:
+        """The named session; for an SDK retry of an unnamed call, the session its first attempt opened."""
+        named = _session_id(request, body_value)
+        if named is None and _is_retry(request):
+            return gateway.sessions.unnamed_session(_request_key(request, await request.body()))
+        return named
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_id:
@@ -135,9 +155,11 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             messages=[flatten_text_parts(m) for m in raw["messages"]],
             sampling=sampling,
             options=RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs),
-            session_id=_session_id(request, req.session_id),
+            session_id=await _resolve_session(request, req.session_id),
             rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
             parse_tool_calls=bool(req.tools) and req.tool_choice != "none",
+            request_key=_request_key(request, await request.body()),
+            retry=_is_retry(request),
         )
         events = gateway.chat(call)
         started = await start(events)
@@ -196,7 +218,13 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
             top_logprobs=req.logprobs or 0,
             n=1 if req.n is None else req.n,
         )
-        call = CompletionCall(prompt=prompt, sampling=sampling, session_id=_session_id(request, req.session_id))
+        call = CompletionCall(
+            prompt=prompt,
+            sampling=sampling,
+            session_id=await _resolve_session(request, req.session_id),
+            request_key=_request_key(request, await request.body()),
+            retry=_is_retry(request),
+        )
         events = gateway.complete(call)
         started = await start(events)
         wire = WireBuilder(tokenizer, req.model, "completion", started.session_id, started.prompt_token_ids)

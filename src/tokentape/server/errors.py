@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokentape.errors import InvalidRequest, TokentapeError
+from tokentape.errors import InvalidRequest, Overloaded, TokentapeError
 
 __all__ = ["error_body", "error_response", "install_error_handlers", "invalid_from_validation", "json_response"]
 
@@ -38,7 +38,13 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 
 
 def error_response(exc: TokentapeError) -> Response:
-    return json_response(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status)
+    headers = None
+    if isinstance(exc, Overloaded):  # what the openai SDK honours before it retries
+        headers = {
+            "retry-after": str(max(1, round(exc.retry_after))),
+            "retry-after-ms": str(int(exc.retry_after * 1000)),
+        }
+    return json_response(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status, headers)
 
 
 def invalid_from_validation(exc: pydantic.ValidationError | RequestValidationError) -> InvalidRequest:

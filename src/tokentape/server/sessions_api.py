@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
-from tokentape.core.outcome import MAX_METADATA_BYTES
+from tokentape.core.outcome import MAX_METADATA_BYTES, check_reward
 from tokentape.core.session import SessionTree
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
@@ -105,11 +105,14 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         if session_id is not None and sessions.exists(check_session_id(session_id)):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         reward = data.get("reward")
+        if reward is not None:
+            check_reward(reward, "reward")
         session = sessions.open(session_id, check_policy(policy) if policy is not None else None)
         outcome = session.tree.outcome
         outcome.group_id, outcome.metadata = group_id, metadata
         if reward is not None:
             outcome.set_rewards(reward=reward, turn_ids=set(), branch_ids=set())
+        await sessions.persist(session)
         return session.summary()
 
     @app.get("/sessions/{session_id}")
@@ -136,6 +139,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
             turn_ids={n.id for n in tree.nodes},
             branch_ids={leaf.id for leaf in tree.leaves},
         )
+        await sessions.persist(session)
         return session.summary()
 
     @app.post("/sessions/{session_id}/finish")
@@ -149,6 +153,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
             raise InvalidRequest(f"metadata is limited to {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
         session.tree.outcome.metadata = metadata
         session.finish()
+        await sessions.persist(session)
         return session.summary()
 
     @app.get("/sessions/{session_id}/export")
@@ -197,5 +202,5 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:
-        sessions.delete(session_id)
+        await sessions.delete(session_id)
         return {"id": session_id, "object": "session", "deleted": True, "at": time.time()}
