@@ -49,13 +49,36 @@ def serve(
             "tape keeps the recorded tokens, fork starts a new branch, strict rejects the request."
         ),
     ] = "tape",
+    store: Annotated[
+        str, typer.Option(help="SQLite file every turn is written to before it is answered; ':memory:' keeps none.")
+    ] = "tokentape.sqlite3",
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Require this API key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated). "
+            "Every route but /health then needs one."
+        ),
+    ] = None,
+    max_waiting: Annotated[int, typer.Option(help="Requests admitted at once; more get 429 with Retry-After.")] = 64,
+    max_sessions_in_memory: Annotated[
+        int, typer.Option(help="Sessions kept in memory (all stay in the store and reload on use).")
+    ] = 10_000,
+    idle_seconds: Annotated[float, typer.Option(help="A session idle this long leaves memory.")] = 3600.0,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
+    drain_seconds: Annotated[
+        int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
+    ] = 30,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
 ) -> None:
-    """Serve the gateway until stopped (Ctrl-C)."""
+    """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
+    import os
+
     import uvicorn
 
+    from tokentape.gateway.sessions import MemoryLimits
     from tokentape.runtime import RuntimeSettings, build_gateway
     from tokentape.server.app import create_app
+    from tokentape.server.middleware import GuardSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RuntimeSettings(
@@ -65,10 +88,27 @@ def serve(
         threads=threads,
         rewrite_policy=check_policy(rewrite_policy),
         served_model_name=served_model_name,
+        store_path=store,
+        max_waiting=max_waiting,
+        memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
     )
+    keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
+    guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
     gateway, name = build_gateway(settings)
-    typer.echo(f"tokentape: serving {name} at http://{host}:{port}/v1 (sessions: /sessions/<id>/v1)", err=True)
-    uvicorn.run(create_app(gateway, model_id=name), host=host, port=port, log_level=log_level.lower())
+    typer.echo(
+        f"tokentape: serving {name} at http://{host}:{port}/v1 (sessions: /sessions/<id>/v1; store: {store}"
+        f"{'; API keys required' if keys else ''})",
+        err=True,
+    )
+    uvicorn.run(
+        create_app(gateway, model_id=name, guard=guard),
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=drain_seconds,
+        # headers up to twice our own limit reach the app, which answers 431 in the OpenAI shape
+        h11_max_incomplete_event_size=2 * guard.max_header_bytes,
+    )
 
 
 @app.command()

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,20 @@ def running_server(
     port = port or free_port()
     log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tokentape-serve-{port}.log"
     log = log_path.open("wb")
-    command = [sys.executable, "-m", "tokentape", "serve", "--port", str(port), "--log-level", "warning", *extra_args]
+    fresh_store = Path(tempfile.mkdtemp(prefix="tokentape-store-")) / "store.sqlite3"
+    store = [] if "--store" in extra_args else ["--store", str(fresh_store)]
+    command = [
+        sys.executable,
+        "-m",
+        "tokentape",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *store,
+        *extra_args,
+    ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     server = RunningServer(f"http://127.0.0.1:{port}", process, log_path)
     try:

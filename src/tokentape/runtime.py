@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokentape.core.tape import RewritePolicy
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.errors import InvalidRequest, NotFound
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
+from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
 from tokentape.render.hf import load_model_dir
 from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
+from tokentape.store.sqlite import SqliteStore
 
 __all__ = [
     "EMBEDDED_MODEL_FILE",
@@ -45,6 +46,9 @@ class RuntimeSettings:
     threads: int = 0
     rewrite_policy: RewritePolicy = "tape"
     served_model_name: str | None = None
+    store_path: str = ":memory:"  # a file keeps every turn across restarts
+    max_waiting: int = 64
+    memory: MemoryLimits = field(default_factory=MemoryLimits)
 
 
 def gguf_renderer(path: Path) -> Renderer:
@@ -80,6 +84,7 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
             f"the tokenizer's vocabulary ({renderer.tokenizer.vocab_size:,} tokens) does not fit the engine's "
             f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
         )
-    gateway = Gateway(engine, renderer, SessionRegistry(settings.rewrite_policy))
+    registry = SessionRegistry(settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory)
+    gateway = Gateway(engine, renderer, registry, max_waiting=settings.max_waiting)
     name = settings.served_model_name or ("smollm2-135m-instruct" if settings.model_path is None else path.stem)
     return gateway, name

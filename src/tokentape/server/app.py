@@ -4,6 +4,8 @@ that only lets you set `base_url` still lands in its session. A session may also
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -21,6 +23,7 @@ from tokentape.gateway.service import ChatCall, ChoiceDone, CompletionCall, Even
 from tokentape.gateway.sessions import check_policy, check_session_id
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.errors import error_body, install_error_handlers, invalid_from_validation, json_response
+from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +77,29 @@ def _stop(value: str | list[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+async def _until_done_or_gone(request: Request, events: AsyncIterator[Event]) -> list[ChoiceDone]:
+    """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
+    recorded as aborted with what was sampled)."""
+
+    async def collect() -> list[ChoiceDone]:
+        async with contextlib.aclosing(events) as stream:  # type: ignore[type-var]
+            return [event async for event in stream if isinstance(event, ChoiceDone)]
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+    finished, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if work not in finished:
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return []
+    return work.result()
+
+
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     """The one prompt of a request: text or token IDs, possibly wrapped in a list of one."""
     if isinstance(prompt, str):
@@ -95,8 +121,16 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
-    app = FastAPI(title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0")
+def create_app(gateway: Gateway, *, model_id: str, guard: GuardSettings | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        gateway.sessions.store.close()  # checkpoint the WAL into the database file
+
+    app = FastAPI(
+        title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
+    )
+    app.add_middleware(Guard, settings=guard or GuardSettings())
     install_error_handlers(app)
     tokenizer = gateway.renderer.tokenizer
 
@@ -166,7 +200,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
         wire = WireBuilder(tokenizer, req.model, "chat", started.session_id, started.prompt_token_ids)
         headers = {"X-Session-ID": started.session_id}
         if not req.stream:
-            done = [event async for event in events if isinstance(event, ChoiceDone)]
+            done = await _until_done_or_gone(request, events)
             return json_response(wire.chat_completion(done, top), headers=headers)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
@@ -231,7 +265,7 @@ def create_app(gateway: Gateway, *, model_id: str) -> FastAPI:
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else ""
         headers = {"X-Session-ID": started.session_id}
         if not req.stream:
-            done = [event async for event in events if isinstance(event, ChoiceDone)]
+            done = await _until_done_or_gone(request, events)
             return json_response(wire.completion(done, req.logprobs, echo), headers=headers)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 

@@ -1,0 +1,127 @@
+"""Pure ASGI guards in front of every route (pure ASGI keeps streaming and disconnects working):
+header and body size limits, and API keys. Each rejection is an OpenAI error object."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from tokentape.server.errors import error_body
+
+__all__ = ["Guard", "GuardSettings", "OPEN_PATHS"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
+
+
+class GuardSettings:
+    def __init__(
+        self,
+        api_keys: Sequence[str] = (),
+        # a 128k-token history is 1-2 MB of JSON; 16 MiB leaves room for tools and long tool results
+        max_body_bytes: int = 16 * 1024 * 1024,
+        max_header_bytes: int = 64 * 1024,
+    ) -> None:
+        self.api_keys = tuple(key.encode() for key in api_keys)
+        self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
+
+
+class Guard:
+    def __init__(self, app: Any, settings: GuardSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        if sum(len(k) + len(v) for k, v in headers) > self.settings.max_header_bytes:
+            await _reject(
+                send,
+                431,
+                f"request headers exceed {self.settings.max_header_bytes} bytes",
+                "headers",
+                "request_header_fields_too_large",
+            )
+            return
+        if self.settings.api_keys and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
+            await _reject(
+                send,
+                401,
+                "a valid API key is required (Authorization: Bearer <key>)",
+                None,
+                "invalid_api_key",
+                "authentication_error",
+            )
+            return
+        declared = dict(headers).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            await _reject(
+                send, 413, f"the request body exceeds {self.settings.max_body_bytes} bytes", None, "request_too_large"
+            )
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            await _reject(
+                send, 413, f"the request body exceeds {self.settings.max_body_bytes} bytes", None, "request_too_large"
+            )
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            message: Message = await receive()  # later: disconnects
+            return message
+
+        await self.app(scope, replay, send)
+
+    def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        values = dict(headers)
+        offered = values.get(b"x-api-key", b"")
+        authorization = values.get(b"authorization", b"")
+        if authorization[:7].lower() == b"bearer ":
+            offered = authorization[7:].strip()
+        # compare against every key, always, so timing tells nothing about which one nearly matched
+        matches = [hmac.compare_digest(offered, key) for key in self.settings.api_keys]
+        return bool(offered) and any(matches)
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        """The whole body, or None past the limit. Bodies are small JSON; reading them here lets the
+        limit hold for clients that send no content-length."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+async def _reject(
+    send: Any, status: int, message: str, param: str | None, code: str, error_type: str = "invalid_request_error"
+) -> None:
+    payload = orjson.dumps(error_body(message, error_type, param, code))
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
