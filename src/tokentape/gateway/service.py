@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,9 +116,9 @@ class Gateway:
             replayed = await self._replay(session, call.request_key, call.retry)
             if replayed is None:
                 session.check_open()
-                self._admit()
-                plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
-                self._check_room(plan.prompt, call.sampling)
+                with self._admission():
+                    plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
+                    self._check_room(plan.prompt, call.sampling)
                 session.requests += 1
         if replayed is not None:
             for event in replayed:
@@ -202,8 +202,8 @@ class Gateway:
             replayed = await self._replay(session, call.request_key, call.retry)
             if replayed is None:
                 session.check_open()
-                self._admit()
-                self._check_room(prompt, call.sampling)
+                with self._admission():
+                    self._check_room(prompt, call.sampling)
                 parent = _deepest_prefix_node(session.tree.nodes, prompt)
                 keep = parent.end if parent is not None else 0
                 turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
@@ -244,11 +244,20 @@ class Gateway:
             events.append(ChoiceDone(index, reply, reply.content, tokens, node.finish_reason, node.id))
         return events
 
-    def _admit(self) -> None:
+    @contextlib.contextmanager
+    def _admission(self) -> Iterator[None]:
+        """Take a slot before any work, so a burst cannot all pass the check at once; the slot is
+        handed to `_run` on success and given back if planning fails."""
         if self.active >= self.max_waiting:
             raise Overloaded(
                 f"{self.active} requests are already waiting for the engine; retry shortly", retry_after=1.0
             )
+        self.active += 1
+        try:
+            yield
+        except BaseException:
+            self.active -= 1
+            raise
 
     # -- shared --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -279,8 +288,7 @@ class Gateway:
 
     async def _run(self, plan: _Plan, sampling: SamplingParams) -> AsyncIterator[Event]:
         session = plan.session
-        session.in_flight += 1
-        self.active += 1
+        session.in_flight += 1  # the admission slot taken in planning is released below
         first_attempt: asyncio.Future[None] | None = None
         if plan.request_key is not None and plan.request_key not in session.pending:
             first_attempt = asyncio.get_running_loop().create_future()

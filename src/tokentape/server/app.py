@@ -304,7 +304,14 @@ def create_app(gateway: Gateway, *, model_id: str, guard: GuardSettings | None =
 
     @openai_routes.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_id, "sessions": len(gateway.sessions)}
+        return {
+            "status": "ok",
+            "model": model_id,
+            "sessions_in_memory": len(gateway.sessions),
+            "requests_active": gateway.active,
+            "engine_calls": gateway.engine_calls,
+            "tokens_generated": getattr(gateway.engine, "tokens_generated", None),
+        }
 
     @openai_routes.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -1,0 +1,41 @@
+"""SIGTERM drains: the request in flight finishes and is stored, then the process exits cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import MODEL_NAME
+from tokentape.launcher import running_server
+
+
+async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    args = ["--store", str(tmp_path / "store.sqlite3"), "--context-length", "2048"]
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Tell a story."}],
+        "max_tokens": 120,
+        "seed": 3,
+    }
+    with running_server(args) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            pending = asyncio.create_task(http.post("/sessions/drain/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            response = await pending
+        assert response.status_code == 200
+        # uvicorn drains, closes the app (the store checkpoints), then re-raises the signal it caught
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        wal = tmp_path / "store.sqlite3-wal"
+        assert not wal.exists() or wal.stat().st_size == 0  # the store was closed: WAL checkpointed
+    with running_server(args) as server:
+        summary = httpx.get(f"{server.base_url}/sessions/drain").json()
+        assert summary["turns"] == 1
+        (branch,) = httpx.get(f"{server.base_url}/sessions/drain/export").json()["branches"]
+        assert (
+            branch["tokens"][-len(response.json()["choices"][0]["token_ids"]) :]
+            == response.json()["choices"][0]["token_ids"]
+        )
