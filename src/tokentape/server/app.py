@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import orjson
 import pydantic
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from fastapi.responses import Response, StreamingResponse
 
 from tokentape.core.messages import flatten_text_parts
@@ -46,6 +46,10 @@ async def _parse(request: Request, model: type[_Body]) -> tuple[_Body, dict[str,
         return model.model_validate(data), data
     except pydantic.ValidationError as exc:
         raise invalid_from_validation(exc) from exc
+
+
+def _session_path(session_id: str = Path(description="The session every call under this base URL belongs to")) -> None:
+    """Declares the base-URL session id to the OpenAPI schema; the handlers read it themselves."""
 
 
 def _request_key(request: Request, body: bytes) -> bytes:
@@ -121,11 +125,16 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def create_app(gateway: Gateway, *, model_id: str, guard: GuardSettings | None = None) -> FastAPI:
+def create_app(
+    gateway: Gateway, *, model_id: str, guard: GuardSettings | None = None, close_store_on_shutdown: bool = False
+) -> FastAPI:
+    """The ASGI app. A server that owns the gateway closes its store when it shuts down."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        gateway.sessions.store.close()  # checkpoint the WAL into the database file
+        if close_store_on_shutdown:
+            gateway.sessions.store.close()  # checkpoint the WAL into the database file
 
     app = FastAPI(
         title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
@@ -337,7 +346,7 @@ def create_app(gateway: Gateway, *, model_id: str, guard: GuardSettings | None =
         return {"prompt": tokenizer.decode(req.tokens)}
 
     app.include_router(openai_routes, prefix="/v1")
-    app.include_router(openai_routes, prefix="/sessions/{session_id}/v1")
+    app.include_router(openai_routes, prefix="/sessions/{session_id}/v1", dependencies=[Depends(_session_path)])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
