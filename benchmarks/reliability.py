@@ -1,0 +1,109 @@
+"""The full reliability suite (`make reliability`): every check prints its figure, then a table.
+Loopback only, bounded in count and time. See tests/reliability/suite.py for what each check does."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.reliability import suite  # noqa: E402
+
+from tokentape.launcher import running_server  # noqa: E402
+
+
+def schemathesis_run(examples: int) -> dict[str, Any]:
+    env = {**os.environ, "TOKENTAPE_FUZZ_EXAMPLES": str(examples)}
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/reliability/test_schemathesis.py"],
+        cwd=ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+    )
+    figures: dict[str, Any] = json.loads((ROOT / "test-output" / "schemathesis.json").read_text())
+    return {"cases": figures["cases"], "responses_5xx": figures["server_errors"]}
+
+
+async def main(args: argparse.Namespace) -> None:
+    rows: list[tuple[str, str, str]] = []
+
+    def report(check: str, figures: dict[str, Any], headline: str) -> None:
+        print(f"{check}: {json.dumps(figures)}", flush=True)
+        rows.append((check, headline, ""))
+
+    started = time.monotonic()
+    figures = schemathesis_run(args.fuzz_examples)
+    report("schemathesis", figures, f"{figures['cases']} cases, {figures['responses_5xx']} responses 5xx")
+    with tempfile.TemporaryDirectory() as scratch, running_server(["--context-length", "4096"]) as server:
+        figures = await suite.malformed(server)
+        report(
+            "malformed requests",
+            figures,
+            f"{figures['kinds']} kinds, {figures['answered_4xx_openai']} answered 4xx OpenAI errors, "
+            f"healthy {figures['healthy']}, sessions unchanged {figures['sessions_unchanged']}",
+        )
+        figures = await suite.kill_loop(Path(scratch), cycles=args.kill_cycles, sessions=4)
+        report(
+            "SIGKILL loop",
+            figures,
+            f"{figures['cycles']} cycles, {figures['acknowledged_turns']} acknowledged turns, "
+            f"{figures['acknowledged_turns_lost']} lost, sessions extended after every restart: "
+            f"{figures['cycles_that_extended_sessions']}/{figures['cycles']}",
+        )
+        figures = await suite.disconnect_storm(server, clients=args.disconnects)
+        report(
+            "disconnect storm",
+            figures,
+            f"{figures['generations_aborted']}/{figures['disconnects']} generations aborted "
+            f"({100 * figures['aborted_ratio']:.0f}%)",
+        )
+        figures = await suite.retry_storm(server, requests=args.retry_requests, retries=2)
+        report(
+            "retry storm",
+            figures,
+            f"{figures['requests']} requests x {figures['retries_each']} retries: "
+            f"{figures['duplicate_turns']} duplicate turns, {figures['engine_calls_per_turn']:.2f} engine calls/turn",
+        )
+        figures = await suite.soak(Path(scratch), sessions=args.soak_sessions, batch=1000)
+        report(
+            "soak",
+            figures,
+            f"{figures['sessions']} sessions: RSS +{figures['rss_growth_mb_per_1000_sessions']} MB per 1,000, "
+            f"open files {figures['open_files_growth']:+d}, {figures['sessions_in_memory_at_end']} in memory",
+        )
+    with running_server(["--context-length", "4096", "--max-waiting", str(args.max_waiting)]) as small:
+        figures = await suite.overload(small, offered=args.offered, waves=3)
+        report(
+            "overload",
+            figures,
+            f"{args.max_waiting} admitted at once, {figures['offered_concurrency']} offered: "
+            f"{figures['rejected_429_pct']:.0f}% answered 429, admitted p99 {figures['admitted_p99_s']} s, "
+            f"peak RSS {figures['peak_rss_mb']} MB",
+        )
+    print(f"\nreliability suite ({time.monotonic() - started:.0f} s)")
+    width = max(len(r[0]) for r in rows)
+    for check, headline, _ in rows:
+        print(f"  {check:<{width}}  {headline}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fuzz-examples", type=int, default=150)
+    parser.add_argument("--kill-cycles", type=int, default=5)
+    parser.add_argument("--disconnects", type=int, default=30)
+    parser.add_argument("--retry-requests", type=int, default=16)
+    parser.add_argument("--soak-sessions", type=int, default=5000)
+    parser.add_argument("--max-waiting", type=int, default=4)
+    parser.add_argument("--offered", type=int, default=16)
+    asyncio.run(main(parser.parse_args()))

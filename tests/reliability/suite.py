@@ -1,0 +1,365 @@
+"""The reliability suite: each check drives a real `tokentape serve` (loopback only, bounded in
+count and time) or, where it needs a fast engine, an in-process gateway over the scripted engine,
+and returns its figures. `tests/reliability/test_suite.py` runs a small version inside `make test`;
+`make reliability` runs the full one and prints the table."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokentape.engines.scripted import ScriptedEngine
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
+from tokentape.launcher import RunningServer, running_server
+from tokentape.runtime import embedded_model_path, gguf_renderer
+from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
+
+MODEL = "smollm2-135m-instruct"
+Figures = dict[str, Any]
+
+
+def _chat(content: str = "Hi", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6, **extra}
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+# -- malformed requests ---------------------------------------------------------------------------------
+def malformed_cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
+    """(kind, method, path, body, headers): at least forty different ways to be wrong."""
+    j = {"content-type": "application/json"}
+    deep = b"[" * 5000 + b"]" * 5000
+    cases: list[tuple[str, str, str, bytes, dict[str, str]]] = [
+        ("truncated JSON", "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', j),
+        ("empty body", "POST", "/v1/chat/completions", b"", j),
+        ("whitespace body", "POST", "/v1/chat/completions", b"   \n ", j),
+        ("invalid UTF-8", "POST", "/v1/chat/completions", b"\xff\xfe\x00{}", j),
+        (
+            "lone surrogate",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}',
+            j,
+        ),
+        ("NaN literal", "POST", "/v1/chat/completions", b'{"model":"m","temperature":NaN,"messages":[]}', j),
+        ("trailing garbage", "POST", "/v1/chat/completions", b'{"model":"m"} xyz', j),
+        ("byte order mark", "POST", "/v1/chat/completions", b'\xef\xbb\xbf{"model":"m"}', j),
+        ("deeply nested", "POST", "/v1/chat/completions", deep, j),
+        ("array body", "POST", "/v1/chat/completions", b"[1,2]", j),
+        ("string body", "POST", "/v1/chat/completions", b'"hello"', j),
+        ("null body", "POST", "/v1/chat/completions", b"null", j),
+        ("number body", "POST", "/v1/chat/completions", b"1e400", j),
+        (
+            "form encoded",
+            "POST",
+            "/v1/chat/completions",
+            b"model=x&messages=y",
+            {"content-type": "application/x-www-form-urlencoded"},
+        ),
+        ("gzip claimed, not gzip", "POST", "/v1/chat/completions", b"{}", {**j, "content-encoding": "gzip"}),
+        ("missing messages", "POST", "/v1/chat/completions", b'{"model":"m"}', j),
+        ("messages not a list", "POST", "/v1/chat/completions", b'{"model":"m","messages":"hi"}', j),
+        ("message not an object", "POST", "/v1/chat/completions", b'{"model":"m","messages":[5]}', j),
+        ("role missing", "POST", "/v1/chat/completions", b'{"model":"m","messages":[{"content":"x"}]}', j),
+        ("unknown role", "POST", "/v1/chat/completions", b'{"model":"m","messages":[{"role":"x","content":"x"}]}', j),
+        (
+            "content is an object",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model":"m","messages":[{"role":"user","content":{"a":1}}]}',
+            j,
+        ),
+        (
+            "model is a number",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model":5,"messages":[{"role":"user","content":"x"}]}',
+            j,
+        ),
+        (
+            "unknown model",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}',
+            j,
+        ),
+        ("temperature string", "POST", "/v1/chat/completions", _bytes(_chat(temperature="hot")), j),
+        ("temperature negative", "POST", "/v1/chat/completions", _bytes(_chat(temperature=-1)), j),
+        ("top_p above one", "POST", "/v1/chat/completions", _bytes(_chat(top_p=1.5)), j),
+        ("n zero", "POST", "/v1/chat/completions", _bytes(_chat(n=0)), j),
+        ("n huge", "POST", "/v1/chat/completions", _bytes(_chat(n=10**6)), j),
+        ("n boolean", "POST", "/v1/chat/completions", _bytes(_chat(n=True)), j),
+        ("max_tokens float", "POST", "/v1/chat/completions", _bytes(_chat(max_tokens=2.5)), j),
+        (
+            "max_tokens 10^30",
+            "POST",
+            "/v1/chat/completions",
+            b'{"model":"%s","messages":[{"role":"user",'
+            b'"content":"x"}],"max_tokens":1000000000000000000000000000000}' % MODEL.encode(),
+            j,
+        ),
+        ("seed 2^80", "POST", "/v1/chat/completions", _bytes(_chat(seed=2**80)), j),
+        ("top_logprobs 100", "POST", "/v1/chat/completions", _bytes(_chat(logprobs=True, top_logprobs=100)), j),
+        ("stop list of numbers", "POST", "/v1/chat/completions", _bytes(_chat(stop=[1, 2])), j),
+        ("five stop strings", "POST", "/v1/chat/completions", _bytes(_chat(stop=list("abcde"))), j),
+        ("stream string", "POST", "/v1/chat/completions", _bytes(_chat(stream="yes")), j),
+        ("tools not a list", "POST", "/v1/chat/completions", _bytes(_chat(tools="calc")), j),
+        (
+            "too many messages",
+            "POST",
+            "/v1/chat/completions",
+            _bytes({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 5000}),
+            j,
+        ),
+        ("prompt beyond the context", "POST", "/v1/chat/completions", _bytes(_chat("word " * 6000)), j),
+        ("bad session id", "POST", "/sessions/..%2F..%2Fetc/v1/chat/completions", _bytes(_chat()), j),
+        ("conflicting session ids", "POST", "/sessions/a/v1/chat/completions", _bytes(_chat(session_id="b")), j),
+        (
+            "completion token out of vocabulary",
+            "POST",
+            "/v1/completions",
+            _bytes({"model": MODEL, "prompt": [10**9]}),
+            j,
+        ),
+        (
+            "completion prompt of mixed types",
+            "POST",
+            "/v1/completions",
+            _bytes({"model": MODEL, "prompt": [1, "a"]}),
+            j,
+        ),
+        ("tokenize without input", "POST", "/tokenize", b"{}", j),
+        ("detokenize negative token", "POST", "/detokenize", _bytes({"tokens": [-1]}), j),
+        ("reward not a number", "POST", "/sessions/none/reward", b'{"reward":"x"}', j),
+        ("unknown export format", "GET", "/export?format=csv", b"", {}),
+        ("unknown route", "GET", "/v1/nope", b"", {}),
+        ("wrong method", "DELETE", "/v1/chat/completions", b"", {}),
+        ("huge string value", "POST", "/v1/chat/completions", _bytes(_chat("x" * (17 * 1024 * 1024))), j),
+        ("huge header", "GET", "/v1/models", b"", {"x-junk": "y" * 80_000}),
+    ]
+    return cases
+
+
+def _bytes(value: Any) -> bytes:
+    import json
+
+    return json.dumps(value).encode()
+
+
+async def malformed(server: RunningServer) -> Figures:
+    cases = malformed_cases()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        before = (await http.get("/export")).json()
+        outcomes = []
+        for kind, method, path, body, headers in cases:
+            response = await http.request(method, path, content=body or None, headers=headers)
+            shaped = False
+            if 400 <= response.status_code < 500:
+                error = response.json().get("error", {})
+                shaped = set(error) == {"message", "type", "param", "code"}
+            outcomes.append((kind, response.status_code, shaped))
+        healthy = (await http.get("/health")).status_code == 200
+        unchanged = (await http.get("/export")).json() == before
+    bad = [o for o in outcomes if not (400 <= o[1] < 500 and o[2])]
+    return {
+        "kinds": len(cases),
+        "answered_4xx_openai": len(cases) - len(bad),
+        "not_4xx": bad,
+        "healthy": healthy,
+        "sessions_unchanged": unchanged,
+    }
+
+
+# -- kill -9 loop ------------------------------------------------------------------------------------------
+async def kill_loop(tmp: Path, *, cycles: int, sessions: int, seed: int = 0) -> Figures:
+    rng = random.Random(seed)
+    store = tmp / "kill.sqlite3"
+    acknowledged: dict[str, list[list[int]]] = {}  # session -> every acknowledged turn's prompt + tokens
+    histories: dict[str, list[dict[str, Any]]] = {f"k{i}": [] for i in range(sessions)}
+    extended_after_restart = 0
+
+    async def episode(base: str, session: str, turns: int) -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            for _ in range(turns):
+                messages = [*histories[session], {"role": "user", "content": f"Step {len(histories[session])}"}]
+                response = await http.post(
+                    f"/sessions/{session}/v1/chat/completions",
+                    json={"model": MODEL, "messages": messages, "max_tokens": 8},
+                )
+                if response.status_code != 200:
+                    return
+                data = response.json()
+                acknowledged.setdefault(session, []).append(data["prompt_token_ids"] + data["choices"][0]["token_ids"])
+                histories[session] = [
+                    *messages,
+                    {"role": "assistant", "content": data["choices"][0]["message"]["content"]},
+                ]
+
+    for _ in range(cycles):
+        with running_server(["--store", str(store), "--context-length", "4096"]) as server:
+            before = sum(len(v) for v in acknowledged.values())
+            work = [asyncio.create_task(episode(server.base_url, s, 50)) for s in histories]
+            await asyncio.sleep(rng.uniform(1.0, 3.0))
+            os.kill(server.process.pid, signal.SIGKILL)  # at a random moment, mid-generation
+            await asyncio.gather(*work, return_exceptions=True)
+            server.process.wait()
+            extended_after_restart += int(sum(len(v) for v in acknowledged.values()) > before)
+    lost = 0
+    with running_server(["--store", str(store), "--context-length", "4096"]) as server:
+        for session, turns in acknowledged.items():
+            branches = httpx.get(f"{server.base_url}/sessions/{session}/export").json()["branches"]
+            for sequence in turns:
+                if not any(b["tokens"][: len(sequence)] == sequence for b in branches):
+                    lost += 1
+        rewrites = sum(httpx.get(f"{server.base_url}/sessions/{s}").json()["rewrites"] for s in acknowledged)
+    return {
+        "cycles": cycles,
+        "acknowledged_turns": sum(len(v) for v in acknowledged.values()),
+        "acknowledged_turns_lost": lost,
+        "cycles_that_extended_sessions": extended_after_restart,
+        "rewrites_after_restarts": rewrites,
+    }
+
+
+# -- disconnect storm ----------------------------------------------------------------------------------------
+async def disconnect_storm(server: RunningServer, *, clients: int, seed: int = 0) -> Figures:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        for i in range(clients):
+            body = {**_chat("Write a long story about the sea."), "max_tokens": 300, "stream": True, "seed": i}
+            stop_after = rng.randint(1, 12)
+            async with http.stream("POST", f"/sessions/storm-{i}/v1/chat/completions", json=body) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen >= stop_after:
+                        break
+        await asyncio.sleep(1.0)
+        aborted = 0
+        finished_anyway = 0
+        for i in range(clients):
+            (branch,) = (await http.get(f"/sessions/storm-{i}/export")).json()["branches"]
+            if branch["finish_reasons"] == ["abort"]:
+                aborted += 1
+            else:
+                finished_anyway += 1  # the model ended its turn before the client left
+    return {
+        "disconnects": clients - finished_anyway,
+        "generations_aborted": aborted,
+        "aborted_ratio": aborted / max(1, clients - finished_anyway),
+    }
+
+
+# -- overload ---------------------------------------------------------------------------------------------
+async def overload(server: RunningServer, *, offered: int, waves: int) -> Figures:
+    latencies: list[float] = []
+    rejected = 0
+    peak = 0
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+
+        async def one(i: int) -> None:
+            nonlocal rejected, peak
+            start = time.monotonic()
+            response = await http.post(f"/sessions/load-{i}/v1/chat/completions", json=_chat(max_tokens=8))
+            peak = max(peak, _rss_kb(server.process.pid))
+            if response.status_code == 429:
+                assert "retry-after" in response.headers and response.json()["error"]["type"] == "rate_limit_error"
+                rejected += 1
+            else:
+                assert response.status_code == 200, response.text
+                latencies.append(time.monotonic() - start)
+
+        for wave in range(waves):
+            await asyncio.gather(*(one(wave * offered + i) for i in range(offered)))
+    total = offered * waves
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else (latencies or [0.0])[0]
+    return {
+        "offered_concurrency": offered,
+        "requests": total,
+        "rejected_429_pct": 100.0 * rejected / total,
+        "admitted_p99_s": round(p99, 3),
+        "peak_rss_mb": round(peak / 1024, 1),
+    }
+
+
+# -- retry storm ------------------------------------------------------------------------------------------
+async def retry_storm(server: RunningServer, *, requests: int, retries: int) -> Figures:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+        calls_before = (await http.get("/health")).json()["engine_calls"]
+
+        async def one(i: int) -> None:
+            body = _chat(f"Question {i}", max_tokens=8)
+            url = f"/sessions/retry-{i}/v1/chat/completions"
+            first = asyncio.create_task(http.post(url, json=body))
+            await asyncio.sleep(0.01)
+            again = [http.post(url, json=body, headers={"x-stainless-retry-count": str(k + 1)}) for k in range(retries)]
+            answers = await asyncio.gather(first, *again)
+            ids = {tuple(a.json()["choices"][0]["token_ids"]) for a in answers}
+            assert len(ids) == 1
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        turns = 0
+        for i in range(requests):
+            turns += (await http.get(f"/sessions/retry-{i}")).json()["turns"]
+        calls = (await http.get("/health")).json()["engine_calls"] - calls_before
+    return {
+        "requests": requests,
+        "retries_each": retries,
+        "duplicate_turns": turns - requests,
+        "engine_calls_per_turn": calls / max(1, turns),
+    }
+
+
+# -- soak ---------------------------------------------------------------------------------------------------
+async def soak(
+    tmp: Path, *, sessions: int, batch: int = 250, progress: Callable[[int], None] = lambda _: None
+) -> Figures:
+    """Many short sessions through an in-process gateway (scripted engine); memory and open files are
+    sampled per batch. Sessions are finished and may be evicted from memory: the store keeps them."""
+    renderer = gguf_renderer(embedded_model_path())
+    engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), renderer.tokenizer.encode("<|im_end|>")[0])
+    registry = SessionRegistry(store=SqliteStore(tmp / "soak.sqlite3"), limits=MemoryLimits(max_sessions=500))
+    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL)
+    samples: list[tuple[int, int, int]] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        for start in range(0, sessions, batch):
+            for i in range(start, min(sessions, start + batch)):
+                messages: list[dict[str, Any]] = [{"role": "user", "content": f"Hello {i}"}]
+                reply = (
+                    await http.post(
+                        f"/sessions/soak-{i}/v1/chat/completions", json={"model": MODEL, "messages": messages}
+                    )
+                ).json()
+                messages += [
+                    {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And you?"},
+                ]
+                await http.post(f"/sessions/soak-{i}/v1/chat/completions", json={"model": MODEL, "messages": messages})
+                await http.post(f"/sessions/soak-{i}/finish")
+            samples.append((min(sessions, start + batch), _rss_kb(os.getpid()), len(os.listdir("/proc/self/fd"))))
+            progress(samples[-1][0])
+    registry.store.close()
+    (n0, rss0, fd0), (n1, rss1, fd1) = samples[0], samples[-1]
+    per_thousand = (rss1 - rss0) / 1024 / max(1, (n1 - n0) / 1000)
+    return {
+        "sessions": sessions,
+        "rss_growth_mb_per_1000_sessions": round(per_thousand, 2),
+        "open_files_growth": fd1 - fd0,
+        "sessions_in_memory_at_end": len(registry),
+    }

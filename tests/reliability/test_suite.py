@@ -1,0 +1,53 @@
+"""A small run of the reliability suite inside `make test`; `make reliability` runs the full one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.reliability import suite
+from tokentape.launcher import RunningServer, running_server
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    with running_server(["--context-length", "4096"]) as running:
+        yield running
+
+
+async def test_malformed_requests(server: RunningServer) -> None:
+    figures = await suite.malformed(server)
+    assert figures["kinds"] >= 40
+    assert figures["not_4xx"] == []
+    assert figures["healthy"] and figures["sessions_unchanged"]
+
+
+async def test_kill_loop_loses_no_acknowledged_turn(tmp_path: Path) -> None:
+    figures = await suite.kill_loop(tmp_path, cycles=2, sessions=3)
+    assert figures["acknowledged_turns"] > 0
+    assert figures["acknowledged_turns_lost"] == 0
+    assert figures["cycles_that_extended_sessions"] == 2
+
+
+async def test_disconnect_storm_aborts_every_generation(server: RunningServer) -> None:
+    figures = await suite.disconnect_storm(server, clients=6)
+    assert figures["disconnects"] > 0 and figures["aborted_ratio"] == 1.0
+
+
+async def test_overload_rejects_with_429_and_serves_the_rest() -> None:
+    with running_server(["--context-length", "4096", "--max-waiting", "3"]) as small:
+        figures = await suite.overload(small, offered=8, waves=2)
+    assert 0 < figures["rejected_429_pct"] < 100
+
+
+async def test_retry_storm_makes_no_duplicate_turns(server: RunningServer) -> None:
+    figures = await suite.retry_storm(server, requests=4, retries=2)
+    assert figures["duplicate_turns"] == 0 and figures["engine_calls_per_turn"] == 1.0
+
+
+async def test_soak_keeps_open_files_flat(tmp_path: Path) -> None:
+    figures = await suite.soak(tmp_path, sessions=500)
+    assert figures["open_files_growth"] <= 2
+    assert figures["sessions_in_memory_at_end"] <= 501
