@@ -28,6 +28,13 @@ def serve(
     model: Annotated[
         Path | None, typer.Option(help="A GGUF model file. Default: the embedded SmolLM2-135M-Instruct.")
     ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A remote engine as KIND=URL (vllm, vllm-generate, sglang); repeat for several. "
+            "Sessions stick to one engine; new ones go to the least loaded."
+        ),
+    ] = None,
     tokenizer: Annotated[
         Path | None,
         typer.Option(
@@ -84,6 +91,7 @@ def serve(
     settings = RuntimeSettings(
         model_path=model,
         tokenizer_dir=tokenizer,
+        engines=tuple(engine or ()),
         context_length=context_length,
         threads=threads,
         rewrite_policy=check_policy(rewrite_policy),

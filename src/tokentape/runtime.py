@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokentape.core.tape import RewritePolicy
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+from tokentape.engines.remote import make_engine
+from tokentape.engines.router import Router
 from tokentape.errors import InvalidRequest, NotFound
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
@@ -47,6 +49,7 @@ class RuntimeSettings:
     rewrite_policy: RewritePolicy = "tape"
     served_model_name: str | None = None
     store_path: str = ":memory:"  # a file keeps every turn across restarts
+    engines: tuple[str, ...] = ()  # KIND=URL remote engines; none: the embedded llama.cpp engine
     max_waiting: int = 64
     memory: MemoryLimits = field(default_factory=MemoryLimits)
 
@@ -76,6 +79,11 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
     if not path.is_file():
         raise NotFound(f"no model file at {path}")
     renderer = hf_renderer(settings.tokenizer_dir) if settings.tokenizer_dir else gguf_renderer(path)
+    registry = SessionRegistry(settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory)
+    if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
+        router = Router([make_engine(spec) for spec in settings.engines])
+        gateway = Gateway(router, renderer, registry, max_waiting=settings.max_waiting)
+        return gateway, settings.served_model_name or router.model_id
     engine = LlamaCppEngine(
         LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
     )
@@ -84,7 +92,6 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
             f"the tokenizer's vocabulary ({renderer.tokenizer.vocab_size:,} tokens) does not fit the engine's "
             f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
         )
-    registry = SessionRegistry(settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory)
     gateway = Gateway(engine, renderer, registry, max_waiting=settings.max_waiting)
     name = settings.served_model_name or ("smollm2-135m-instruct" if settings.model_path is None else path.stem)
     return gateway, name

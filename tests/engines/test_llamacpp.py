@@ -76,7 +76,7 @@ async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, 
             if seen == 3:
                 at_abort = engine.tokens_generated
                 break
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # generous: a loaded CI machine runs ggml threads slowly
     while engine.waiting and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert engine.waiting == 0

@@ -96,7 +96,7 @@ class FlakyEngine:
         self.model_id, self.context_length, self.calls, self.token = "flaky", 4096, 0, vocab_token
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
         if self.calls == 1:

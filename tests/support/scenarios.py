@@ -59,7 +59,7 @@ async def five_turn_scenario(client: openai.AsyncOpenAI, model: str, http: Any, 
         call = await (_streamed_turn(client, **kwargs) if turn == 1 else _plain_turn(client, **kwargs))
         calls.append(call)
         messages.append({"role": "assistant", "content": call["text"]})
-    assert calls[2]["finish"] == "length"
+    assert calls[2]["finish"] == "length", calls[2]
     assert calls[1]["ids"] and calls[1]["prompt"]
 
     export = (await http.get(f"/sessions/{session}/export")).json()

@@ -32,6 +32,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "truncated": leaf.finish_reason == "length",
         "rewrites": [node.rewrite.as_dict() for node in branch.nodes if node.rewrite is not None],
         "turn_ids": [node.id for node in branch.nodes],
+        "policy_versions": [node.policy_version for node in branch.nodes],
     }
 
 

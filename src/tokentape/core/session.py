@@ -136,6 +136,7 @@ class SessionTree:
         prompt_length: int,
         reply: Message,
         request_key: bytes | None = None,
+        policy_version: str | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
@@ -154,6 +155,7 @@ class SessionTree:
             reply=dict(reply),
             rewrite=turn.rewrite,
             request_key=request_key,
+            policy_version=policy_version,
         )
         self.restore(node)
         return node

@@ -73,6 +73,7 @@ class TurnNode:
     reply: Mapping[str, Any] = field(default_factory=dict)  # the assistant message this turn returned
     rewrite: Rewrite | None = None
     request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
+    policy_version: str | None = None  # the weights that sampled this turn
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ class Engine(Protocol):
     context_length: int
 
     def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
         """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
         (included in the stream), after `params.max_tokens`, or at the end of the context."""

@@ -74,7 +74,7 @@ class LlamaCppEngine:
         self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
         if not prompt:
             raise EngineFailure("empty prompt")

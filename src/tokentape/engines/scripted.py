@@ -30,7 +30,7 @@ class ScriptedEngine:
         self.queue.append(list(tokens))
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None
+        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
         tokens = self.queue.popleft() if self.queue else [*self.script, self.end_of_turn]

@@ -108,6 +108,28 @@ class Gateway:
         self.active = 0
         self.engine_calls = 0
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
+        self.policy_version: str | None = None
+        self._running = asyncio.Event()
+        self._running.set()
+        self._abort_epoch = 0  # bumped by pause(abort=True): generations started before it stop
+
+    # -- weight updates --------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def pause(self, *, abort: bool) -> None:
+        """Hold new generations (their requests wait, they are not rejected); with `abort`, also stop
+        the running ones at their next token (recorded with finish reason "abort")."""
+        self._running.clear()
+        if abort:
+            self._abort_epoch += 1
+
+    def resume(self, policy_version: str | None) -> None:
+        """Release held generations; what they sample is recorded under `policy_version`."""
+        if policy_version is not None:
+            self.policy_version = policy_version
+        self._running.set()
 
     # -- chat ------------------------------------------------------------------------------------
     async def chat(self, call: ChatCall) -> AsyncIterator[Event]:
@@ -360,11 +382,16 @@ class Gateway:
             pending = []
             return event
 
+        await self._running.wait()  # a weight update is in progress: wait, do not fail
+        epoch, version = self._abort_epoch, self.policy_version
+        interrupted = False
         try:
             for attempt in range(ENGINE_ATTEMPTS):
                 try:
                     self.engine_calls += 1
-                    stream = self.engine.generate(plan.prompt, sampling, seed=sampling.choice_seed(index))
+                    stream = self.engine.generate(
+                        plan.prompt, sampling, seed=sampling.choice_seed(index), session_id=plan.session.id
+                    )
                     async with contextlib.aclosing(stream):
                         async for sample in stream:
                             tokens.append(sample)
@@ -375,13 +402,16 @@ class Gateway:
                             if stops.stopped or sample.token_id in stop_ids:
                                 finish = "stop"
                                 break
+                            if self._abort_epoch != epoch:  # paused with abort: the weights are changing
+                                interrupted = True
+                                break
                     break
                 except EngineFailure:
                     # before the first token a retry is invisible; after it, it would duplicate the turn
                     if tokens or attempt + 1 == ENGINE_ATTEMPTS:
                         raise
             if finish != "stop":
-                finish = "length"
+                finish = "abort" if interrupted else "length"
             if (event := delta(stops.feed(assembler.finish()) + stops.finish(), final=True)) is not None:
                 yield event
             text = "".join(text_parts)
@@ -406,6 +436,7 @@ class Gateway:
                     prompt_length=plan.prompt_length,
                     reply=reply.message(),
                     request_key=plan.request_key,
+                    policy_version=version,
                 )
                 if not completed:  # the caller is gone: write without waiting for it
                     self.sessions.store.save_turn_later(plan.session.tree, node, plan.request_key)

@@ -18,10 +18,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokentape.core.messages import flatten_text_parts
 from tokentape.core.sampling import SamplingParams
+from tokentape.engines.router import Router
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.service import ChatCall, ChoiceDone, CompletionCall, Event, Gateway, Started, TextDelta
 from tokentape.gateway.sessions import check_policy, check_session_id
 from tokentape.render.renderer import RenderOptions
+from tokentape.server.admin import add_admin_routes
 from tokentape.server.errors import error_body, install_error_handlers, invalid_from_validation, json_response
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import (
@@ -132,6 +134,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if isinstance(gateway.engine, Router):
+            await gateway.engine.start()
         yield
         if close_store_on_shutdown:
             gateway.sessions.store.close()  # checkpoint the WAL into the database file
@@ -352,5 +356,6 @@ def create_app(
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
     add_session_routes(app, gateway)
+    add_admin_routes(app, gateway)
     app.state.started = time.time()
     return app

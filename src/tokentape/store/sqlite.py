@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS turns (
     reply TEXT NOT NULL,
     rewrite TEXT,
     request_key BLOB,
+    policy_version TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
@@ -143,7 +144,7 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -160,6 +161,7 @@ class SqliteStore:
                     json.dumps(dict(node.reply)),
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
+                    node.policy_version,
                 ),
             )
             self.db.execute("COMMIT")
@@ -238,6 +240,7 @@ class SqliteStore:
                 reply,
                 rewrite,
                 request_key,
+                policy_version,
             ) = turn
             tree.restore(
                 TurnNode(
@@ -256,6 +259,7 @@ class SqliteStore:
                     reply=json.loads(reply),
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
+                    policy_version=policy_version,
                 )
             )
         return tree
