@@ -104,7 +104,8 @@ def serve(
     guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
     gateway, name = build_gateway(settings)
     typer.echo(
-        f"tokentape: serving {name} at http://{host}:{port}/v1 (sessions: /sessions/<id>/v1; store: {store}"
+        f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
+        f"(sessions: /sessions/<id>/v1; store: {store}"
         f"{'; API keys required' if keys else ''})",
         err=True,
     )

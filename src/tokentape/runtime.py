@@ -73,8 +73,8 @@ def hf_renderer(directory: Path) -> Renderer:
     return Renderer(template, tokenizer)
 
 
-def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
-    """The gateway and the model name it serves."""
+def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str | None]:
+    """The gateway and the model name it serves (None: whatever the remote engines serve)."""
     path = settings.model_path or embedded_model_path()
     if not path.is_file():
         raise NotFound(f"no model file at {path}")
@@ -83,7 +83,7 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str]:
     if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
         router = Router([make_engine(spec) for spec in settings.engines])
         gateway = Gateway(router, renderer, registry, max_waiting=settings.max_waiting)
-        return gateway, settings.served_model_name or router.model_id
+        return gateway, settings.served_model_name
     engine = LlamaCppEngine(
         LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
     )

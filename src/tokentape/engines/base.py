@@ -21,8 +21,11 @@ class SampledToken:
 class Engine(Protocol):
     """Generates one choice at a time. Closing the iterator early aborts the generation."""
 
-    model_id: str
-    context_length: int
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
 
     def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None

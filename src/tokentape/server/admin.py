@@ -71,6 +71,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
             pool.add(engine)
         elif isinstance(data.get("drain"), str):
             engine = pool.find(data["drain"])
+            engine.draining = True  # no new work from now on, before this answer goes out
             task = asyncio.create_task(pool.remove_when_drained(engine))
             app.state.drains = [*getattr(app.state, "drains", []), task]  # keep a reference while it runs
         else:

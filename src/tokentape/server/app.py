@@ -128,7 +128,11 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
 
 
 def create_app(
-    gateway: Gateway, *, model_id: str, guard: GuardSettings | None = None, close_store_on_shutdown: bool = False
+    gateway: Gateway,
+    *,
+    model_id: str | None,
+    guard: GuardSettings | None = None,
+    close_store_on_shutdown: bool = False,
 ) -> FastAPI:
     """The ASGI app. A server that owns the gateway closes its store when it shuts down."""
 
@@ -154,10 +158,14 @@ def create_app(
             return gateway.sessions.unnamed_session(_request_key(request, await request.body()))
         return named
 
+    def served() -> str:
+        """The model name clients send: fixed, or the engines' own (learnt when they answer)."""
+        return model_id or gateway.engine.model_id
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_id:
+        if name is not None and name != served():
             raise NotFound(
-                f"the model '{name}' does not exist; this server serves '{model_id}'",
+                f"the model '{name}' does not exist; this server serves '{served()}'",
                 param="model",
                 code="model_not_found",
             )
@@ -306,7 +314,7 @@ def create_app(
             "object": "list",
             "data": [
                 {
-                    "id": model_id,
+                    "id": served(),
                     "object": "model",
                     "created": int(app.state.started),
                     "owned_by": "tokentape",
@@ -319,7 +327,7 @@ def create_app(
     async def health() -> dict[str, Any]:
         return {
             "status": "ok",
-            "model": model_id,
+            "model": served(),
             "sessions_in_memory": len(gateway.sessions),
             "requests_active": gateway.active,
             "engine_calls": gateway.engine_calls,

@@ -1,0 +1,127 @@
+"""A real `tokentape serve` in front of several engines speaking vLLM's and SGLang's formats:
+exactness through each adapter, session-affine least-loaded routing, failover, drain, and pause /
+resume with policy versions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.fake_engines import FakeState, serving, sglang_app, vllm_app
+from tests.support.scenarios import five_turn_scenario
+from tokentape.launcher import RunningServer, running_server
+
+
+@pytest.fixture
+def pool() -> Iterator[tuple[RunningServer, list[tuple[str, FakeState]]]]:
+    states = [FakeState(), FakeState(), FakeState()]
+    with serving(vllm_app(states[0])) as a, serving(vllm_app(states[1])) as b, serving(sglang_app(states[2])) as c:
+        specs = [f"vllm={a}", f"vllm-generate={b}", f"sglang={c}"]
+        args = [arg for spec in specs for arg in ("--engine", spec)]
+        with running_server(args) as server:
+            yield server, list(zip([a, b, c], states, strict=True))
+
+
+def _client(server: RunningServer, session: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.session_url(session), api_key="x", max_retries=0)
+
+
+def _engine_of(states: list[tuple[str, FakeState]], session: str) -> list[int]:
+    return [i for i, (_, state) in enumerate(states) if session in state.session_headers]
+
+
+async def test_each_adapter_keeps_the_tape_exact(pool: tuple[RunningServer, list[tuple[str, FakeState]]]) -> None:
+    server, states = pool
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    assert model == "fake-model"
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        # three sessions at once: least-loaded placement spreads them over the three engines
+        await asyncio.gather(*(five_turn_scenario(_client(server, f"x{i}"), model, http, f"x{i}") for i in range(3)))
+    placements = [_engine_of(states, f"x{i}") for i in range(3)]
+    assert all(len(p) == 1 for p in placements), placements  # every turn of a session on one engine
+    assert sorted(p[0] for p in placements) == [0, 1, 2]
+
+
+async def _turn(server: RunningServer, session: str, messages: list[Any]) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        response = await http.post(
+            f"/sessions/{session}/v1/chat/completions",
+            json={"model": "fake-model", "messages": messages, "max_tokens": 20},
+        )
+        assert response.status_code == 200, response.text
+        data: dict[str, Any] = response.json()
+        return data
+
+
+async def test_failover_moves_a_session_and_keeps_its_tape(
+    pool: tuple[RunningServer, list[tuple[str, FakeState]]],
+) -> None:
+    server, states = pool
+    messages: list[Any] = [{"role": "user", "content": "Hello"}]
+    first = await _turn(server, "f", messages)
+    (home,) = _engine_of(states, "f")
+    states[home][1].fail_next = 5  # its engine dies
+    states[home][1].healthy = False
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Still there?"},
+    ]
+    second = await _turn(server, "f", messages)
+    assert len(_engine_of(states, "f")) == 2  # moved
+    head = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    assert second["prompt_token_ids"][: len(head)] == head
+    engines = httpx.get(f"{server.base_url}/admin/engines").json()["data"]
+    assert [e["healthy"] for e in engines].count(False) == 1
+
+
+async def test_drain_sends_new_sessions_elsewhere(pool: tuple[RunningServer, list[tuple[str, FakeState]]]) -> None:
+    server, states = pool
+    drained_url = states[0][0]
+    listed = httpx.post(f"{server.base_url}/admin/engines", json={"drain": drained_url}).json()["data"]
+    assert any(e["url"] == drained_url and e["draining"] for e in listed) or len(listed) == 2
+    for i in range(4):
+        await _turn(server, f"d{i}", [{"role": "user", "content": f"Hi {i}"}])
+    assert all(0 not in _engine_of(states, f"d{i}") for i in range(4))
+    await asyncio.sleep(0.2)
+    urls = [e["url"] for e in httpx.get(f"{server.base_url}/admin/engines").json()["data"]]
+    assert drained_url not in urls
+
+
+async def test_pause_holds_and_resume_labels_the_policy_version(
+    pool: tuple[RunningServer, list[tuple[str, FakeState]]],
+) -> None:
+    server, _ = pool
+    await _turn(server, "p", [{"role": "user", "content": "Before"}])
+    assert httpx.post(f"{server.base_url}/admin/pause", json={}).json()["paused"] is True
+    waiting = asyncio.create_task(_turn(server, "q", [{"role": "user", "content": "During"}]))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # held, not rejected
+    resumed = httpx.post(f"{server.base_url}/admin/resume", json={"policy_version": 7}).json()
+    assert (resumed["paused"], resumed["policy_version"]) == (False, "7")
+    await waiting
+    (before,) = httpx.get(f"{server.base_url}/sessions/p/export").json()["branches"]
+    (after,) = httpx.get(f"{server.base_url}/sessions/q/export").json()["branches"]
+    assert (before["policy_versions"], after["policy_versions"]) == ([None], ["7"])
+    rows = httpx.get(f"{server.base_url}/export", params={"format": "tokentape"}).json()["data"]
+    assert {r["session_id"]: r["policy_versions"] for r in rows}["q"] == ["7"]
+
+
+async def test_pause_with_abort_stops_running_generations(
+    pool: tuple[RunningServer, list[tuple[str, FakeState]]],
+) -> None:
+    server, states = pool
+    for _, state in states:
+        state.delay = 0.2  # slow tokens: the generation is still running when the pause comes
+    running = asyncio.create_task(_turn(server, "a", [{"role": "user", "content": "Go"}]))
+    await asyncio.sleep(0.7)
+    httpx.post(f"{server.base_url}/admin/pause", json={"abort": True})
+    reply = await asyncio.wait_for(running, timeout=10)
+    assert reply["choices"][0]["finish_reason"] == "abort"
+    httpx.post(f"{server.base_url}/admin/resume", json={})
+    (branch,) = httpx.get(f"{server.base_url}/sessions/a/export").json()["branches"]
+    assert branch["finish_reasons"] == ["abort"] and sum(branch["loss_mask"]) == len(reply["choices"][0]["token_ids"])
