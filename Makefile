@@ -44,8 +44,9 @@ unit: setup browser  ## the tests alone
 
 test: lint typecheck unit  ## everything CI runs
 
-bench: setup  ## per-turn gateway cost against history length, beside full re-rendering
+bench: setup  ## per-turn cost against history length; gateway overhead against calling the engine directly
 	$(PY) benchmarks/turn_cost.py
+	$(PY) benchmarks/overhead.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
