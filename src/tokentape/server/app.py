@@ -30,6 +30,7 @@ from tokentape.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
 )
 from tokentape.server.responses import WireBuilder
@@ -104,6 +105,23 @@ async def _until_done_or_gone(request: Request, events: AsyncIterator[Event]) ->
             await work
         return []
     return work.result()
+
+
+def _sampling(req: SamplingFields, max_tokens: int | None, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    """OpenAI's defaults for what the request leaves out; SamplingParams checks the ranges."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=req.top_k or 0,
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        seed=req.seed,
+        stop=_stop(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=1 if req.n is None else req.n,
+    )
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -193,19 +211,8 @@ def create_app(
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise InvalidRequest("max_completion_tokens must be at least 1", param="max_completion_tokens")
         top = req.top_logprobs or 0
-        sampling = SamplingParams(
-            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
-            min_p=0.0 if req.min_p is None else float(req.min_p),
-            seed=req.seed,
-            stop=_stop(req.stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=bool(req.logprobs) or top > 0,
-            top_logprobs=top,
-            n=1 if req.n is None else req.n,
-        )
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sampling = _sampling(req, max_tokens, logprobs=bool(req.logprobs) or top > 0, top_logprobs=top)
         call = ChatCall(
             messages=[flatten_text_parts(m) for m in raw["messages"]],
             sampling=sampling,
@@ -260,19 +267,8 @@ def create_app(
         prompt = _single_prompt(req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
             raise InvalidRequest("logprobs must be between 0 and 5 for completions", param="logprobs")
-        sampling = SamplingParams(
-            max_tokens=16 if req.max_tokens is None else req.max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
-            min_p=0.0 if req.min_p is None else float(req.min_p),
-            seed=req.seed,
-            stop=_stop(req.stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
-            n=1 if req.n is None else req.n,
-        )
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        sampling = _sampling(req, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
         call = CompletionCall(
             prompt=prompt,
             sampling=sampling,

@@ -8,7 +8,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ChatMessage"]
+__all__ = [
+    "SamplingFields",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+    "ChatMessage",
+]
 
 MAX_MESSAGES = 4096  # far beyond any agent's history, small enough to bound per-request work
 
@@ -47,7 +54,7 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None
 
 
-class _Sampling(_Body):
+class SamplingFields(_Body):
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -63,7 +70,7 @@ class _Sampling(_Body):
     session_id: StrictStr | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
@@ -74,7 +81,7 @@ class ChatCompletionRequest(_Sampling):
     rewrite_policy: StrictStr | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
