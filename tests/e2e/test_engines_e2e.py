@@ -107,8 +107,9 @@ async def test_pause_holds_and_resume_labels_the_policy_version(
     (before,) = httpx.get(f"{server.base_url}/sessions/p/export").json()["branches"]
     (after,) = httpx.get(f"{server.base_url}/sessions/q/export").json()["branches"]
     assert (before["policy_versions"], after["policy_versions"]) == ([None], ["7"])
-    rows = httpx.get(f"{server.base_url}/export", params={"format": "tokentape"}).json()["data"]
-    assert {r["session_id"]: r["policy_versions"] for r in rows}["q"] == ["7"]
+    for fmt in ("tokentape", "openrlhf", "verifiers"):
+        rows = httpx.get(f"{server.base_url}/export", params={"format": fmt}).json()["data"]
+        assert {r["session_id"]: r["policy_versions"] for r in rows}["q"] == ["7"]
 
 
 async def test_pause_with_abort_stops_running_generations(

@@ -67,6 +67,7 @@ class Sample:
             "reward": self.reward,
             "finished": outcome.finished,
             "metadata": outcome.metadata,
+            "policy_versions": [node.policy_version for node in self.branch.nodes],  # one per turn
         }
 
 
@@ -121,6 +122,7 @@ def _stepwise(sample: Sample) -> list[dict[str, Any]]:
                 "step": step,
                 "turn_id": node.id,
                 "reward": turn_rewards.get(node.id, sample.reward),
+                "policy_version": node.policy_version,
                 "prompt_ids": branch.tokens[:start],
                 "completion_ids": branch.tokens[start:end],
                 "completion_logprobs": branch.logprobs[start:end],
@@ -151,6 +153,7 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                     [ATROPOS_MASKED_LOGPROB if lp is None else lp for lp in m.branch.logprobs] for m in members
                 ],
                 "scores": [m.reward for m in members],
+                "policy_versions": [[node.policy_version for node in m.branch.nodes] for m in members],
             }
         )
     return rows
