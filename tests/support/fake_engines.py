@@ -47,7 +47,7 @@ class FakeState:
 
 
 def _take(
-    state: FakeState, body: dict[str, Any], prompt: list[int], max_tokens: int, stops: list[int], seed: int | None
+    prompt: list[int], max_tokens: int, stops: list[int], seed: int | None
 ) -> tuple[list[tuple[int, float]], str]:
     tokens = []
     for token, logprob in script(prompt, seed):
@@ -59,6 +59,35 @@ def _take(
     return tokens, "stop"
 
 
+async def _received(state: FakeState, request: Request) -> dict[str, Any]:
+    body: dict[str, Any] = await request.json()
+    state.requests.append(body)
+    state.session_headers.append(request.headers.get("x-session-id"))
+    return body
+
+
+def _fails(state: FakeState) -> bool:
+    """Whether this request is one of the `fail_next` the test asked for."""
+    if not state.fail_next:
+        return False
+    state.fail_next -= 1
+    return True
+
+
+def _common_routes(state: FakeState) -> list[Route]:
+    """`/health` (503 once the test marks the engine unhealthy) and `/v1/models`, as both servers have."""
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200 if state.healthy else 503)
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": CONTEXT}]}
+        )
+
+    return [Route("/health", health), Route("/v1/models", models)]
+
+
 def _error(status: int, message: str) -> JSONResponse:
     # vLLM's error body (its OpenAI server): {"object": "error", "message", "type", "param", "code"}
     return JSONResponse(
@@ -68,29 +97,16 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def vllm_app(state: FakeState) -> Starlette:
-    async def health(_: Request) -> Response:
-        return Response(status_code=200 if state.healthy else 503)
-
-    async def models(_: Request) -> JSONResponse:
-        return JSONResponse(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": CONTEXT}]}
-        )
-
     async def completions(request: Request) -> Response:
-        body = await request.json()
-        state.requests.append(body)
-        state.session_headers.append(request.headers.get("x-session-id"))
-        if state.fail_next:
-            state.fail_next -= 1
+        body = await _received(state, request)
+        if _fails(state):
             return _error(500, "engine core died")
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             return _error(400, "prompt must be token IDs in this test")
         if len(prompt) + body.get("max_tokens", 16) > CONTEXT:
             return _error(400, f"This model's maximum context length is {CONTEXT} tokens.")
-        tokens, finish = _take(
-            state, body, prompt, body.get("max_tokens", 16), body.get("stop_token_ids") or [], body.get("seed")
-        )
+        tokens, finish = _take(prompt, body.get("max_tokens", 16), body.get("stop_token_ids") or [], body.get("seed"))
         top = body.get("logprobs")
 
         def choice(token: int, logprob: float, last: bool) -> dict[str, Any]:
@@ -128,16 +144,11 @@ def vllm_app(state: FakeState) -> Starlette:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def generate(request: Request) -> Response:
-        body = await request.json()
-        state.requests.append(body)
-        state.session_headers.append(request.headers.get("x-session-id"))
-        if state.fail_next:
-            state.fail_next -= 1
+        body = await _received(state, request)
+        if _fails(state):
             return _error(500, "engine core died")
         params = body["sampling_params"]
         tokens, finish = _take(
-            state,
-            body,
             body["token_ids"],
             params.get("max_tokens", 16),
             params.get("stop_token_ids") or [],
@@ -169,8 +180,7 @@ def vllm_app(state: FakeState) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
+            *_common_routes(state),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/inference/v1/generate", generate, methods=["POST"]),
         ]
@@ -178,27 +188,16 @@ def vllm_app(state: FakeState) -> Starlette:
 
 
 def sglang_app(state: FakeState) -> Starlette:
-    async def health(_: Request) -> Response:
-        return Response(status_code=200 if state.healthy else 503)
-
-    async def models(_: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "max_model_len": CONTEXT}]})
-
     async def abort(request: Request) -> JSONResponse:
         state.aborted += 1
         return JSONResponse({})
 
     async def generate(request: Request) -> Response:
-        body = await request.json()
-        state.requests.append(body)
-        state.session_headers.append(request.headers.get("x-session-id"))
-        if state.fail_next:
-            state.fail_next -= 1
+        body = await _received(state, request)
+        if _fails(state):
             return JSONResponse({"error": {"message": "scheduler died"}}, status_code=500)
         params = body["sampling_params"]
         tokens, finish = _take(
-            state,
-            body,
             body["input_ids"],
             params.get("max_new_tokens", 16),
             params.get("stop_token_ids") or [],
@@ -234,8 +233,7 @@ def sglang_app(state: FakeState) -> Starlette:
 
     return Starlette(
         routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
+            *_common_routes(state),
             Route("/generate", generate, methods=["POST"]),
             Route("/abort_request", abort, methods=["POST"]),
         ]

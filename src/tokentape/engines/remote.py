@@ -115,9 +115,18 @@ class RemoteEngine:
         await self.http.aclose()
 
 
-def _room(prompt: Sequence[int], params: SamplingParams, context: int) -> int:
+def _sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int, *, length_key: str) -> dict[str, Any]:
+    """The sampling fields vLLM and SGLang name alike; each adapter adds its own dialect's."""
     room = context - len(prompt)
-    return room if params.max_tokens is None else min(params.max_tokens, room)
+    return {
+        length_key: room if params.max_tokens is None else min(params.max_tokens, room),
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k or -1,  # -1 is "off" on both
+        "min_p": params.min_p,
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,  # stop tokens were sampled: their text stays
+    }
 
 
 def _token_id(token: str) -> int:
@@ -135,17 +144,11 @@ class VLLMEngine(RemoteEngine):
         body: dict[str, Any] = {
             "model": self.model_id,
             "prompt": list(prompt),
-            "max_tokens": _room(prompt, params, self.context_length),
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k or -1,
-            "min_p": params.min_p,
+            **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "stream": True,
             "logprobs": params.top_logprobs,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "stop_token_ids": list(params.stop_token_ids),
-            "skip_special_tokens": False,
         }
         if seed is not None:
             body["seed"] = seed % 2**63
@@ -172,14 +175,8 @@ class VLLMGenerateEngine(RemoteEngine):
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
         sampling: dict[str, Any] = {
-            "max_tokens": _room(prompt, params, self.context_length),
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k or -1,
-            "min_p": params.min_p,
+            **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "logprobs": max(1, params.top_logprobs),
-            "stop_token_ids": list(params.stop_token_ids),
-            "skip_special_tokens": False,
         }
         if seed is not None:
             sampling["seed"] = seed % 2**63
@@ -214,13 +211,7 @@ class SGLangEngine(RemoteEngine):
     ) -> AsyncGenerator[SampledToken, None]:
         rid = uuid.uuid4().hex
         sampling: dict[str, Any] = {
-            "max_new_tokens": _room(prompt, params, self.context_length),
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k or -1,
-            "min_p": params.min_p,
-            "stop_token_ids": list(params.stop_token_ids),
-            "skip_special_tokens": False,
+            **_sampling_fields(prompt, params, self.context_length, length_key="max_new_tokens"),
             "no_stop_trim": True,  # keep the stop token in the output: it was sampled
         }
         if seed is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,15 +134,35 @@ class Gateway:
     # -- chat ------------------------------------------------------------------------------------
     async def chat(self, call: ChatCall) -> AsyncIterator[Event]:
         """Stream the events of one chat request; every choice is recorded as a turn."""
-        with self._session_for(call.session_id, call.rewrite_policy, call.request_key) as session:
-            replayed = await self._replay(session, call.request_key, call.retry)
+
+        async def plan(session: Session) -> _Plan:
+            return await self._plan_chat(session, call)
+
+        async for event in self._serve(
+            call.session_id, call.rewrite_policy, call.request_key, call.retry, call.sampling, plan
+        ):
+            yield event
+
+    async def _serve(
+        self,
+        session_id: str | None,
+        policy: RewritePolicy | None,
+        key: bytes | None,
+        retry: bool,
+        sampling: SamplingParams,
+        plan: Callable[[Session], Awaitable[_Plan]],
+    ) -> AsyncIterator[Event]:
+        """One request's life: replay it if it is a retry; else claim it, plan it within an admission
+        slot, run it, and release the claim when it is done."""
+        with self._session_for(session_id, policy, key) as session:
+            replayed = await self._replay(session, key, retry)
             if replayed is None:
-                release = self._claim(session, call.request_key)
+                release = self._claim(session, key)
                 try:
                     session.check_open()
                     with self._admission():
-                        plan = dataclasses.replace(await self._plan_chat(session, call), request_key=call.request_key)
-                        self._check_room(plan.prompt, call.sampling)
+                        planned = dataclasses.replace(await plan(session), request_key=key)
+                        self._check_room(planned.prompt, sampling)
                 except BaseException:
                     release()
                     raise
@@ -152,7 +172,7 @@ class Gateway:
                 yield event
             return
         try:
-            async for event in self._run(plan, call.sampling):
+            async for event in self._run(planned, sampling):
                 yield event
         finally:
             release()
@@ -228,33 +248,17 @@ class Gateway:
                 raise InvalidRequest(f"prompt token IDs must be between 0 and {vocab - 1}", param="prompt")
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        with self._session_for(call.session_id, None, call.request_key) as session:
-            replayed = await self._replay(session, call.request_key, call.retry)
-            if replayed is None:
-                session.check_open()
-                release = self._claim(session, call.request_key)
-                try:
-                    with self._admission():
-                        self._check_room(prompt, call.sampling)
-                except BaseException:
-                    release()
-                    raise
-                parent = _deepest_prefix_node(session.tree.nodes, prompt)
-                keep = parent.end if parent is not None else 0
-                turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
-                # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
-                chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
-                session.requests += 1
-        if replayed is not None:
-            for event in replayed:
-                yield event
-            return
-        plan = _Plan(session, turn, prompt, chain, 1, request_key=call.request_key)
-        try:
-            async for event in self._run(plan, call.sampling):
-                yield event
-        finally:
-            release()
+
+        async def plan(session: Session) -> _Plan:
+            parent = _deepest_prefix_node(session.tree.nodes, prompt)
+            keep = parent.end if parent is not None else 0
+            turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
+            # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
+            chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
+            return _Plan(session, turn, prompt, chain, 1)
+
+        async for event in self._serve(call.session_id, None, call.request_key, call.retry, call.sampling, plan):
+            yield event
 
     # -- retries ---------------------------------------------------------------------------------------
     async def _replay(self, session: Session, key: bytes | None, retry: bool) -> list[Event] | None:

@@ -169,11 +169,11 @@ def create_app(
     install_error_handlers(app)
     tokenizer = gateway.renderer.tokenizer
 
-    async def _resolve_session(request: Request, body_value: str | None) -> str | None:
+    def _resolve_session(request: Request, body_value: str | None, key: bytes) -> str | None:
         """The named session; for an SDK retry of an unnamed call, the session its first attempt opened."""
         named = _session_id(request, body_value)
         if named is None and _is_retry(request):
-            return gateway.sessions.unnamed_session(_request_key(request, await request.body()))
+            return gateway.sessions.unnamed_session(key)
         return named
 
     def served() -> str:
@@ -207,6 +207,7 @@ def create_app(
     @openai_routes.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         req, raw = await _parse(request, ChatCompletionRequest)
+        key = _request_key(request, await request.body())
         check_model(req.model)
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise InvalidRequest("max_completion_tokens must be at least 1", param="max_completion_tokens")
@@ -217,10 +218,10 @@ def create_app(
             messages=[flatten_text_parts(m) for m in raw["messages"]],
             sampling=sampling,
             options=RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs),
-            session_id=await _resolve_session(request, req.session_id),
+            session_id=_resolve_session(request, req.session_id, key),
             rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
             parse_tool_calls=bool(req.tools) and req.tool_choice != "none",
-            request_key=_request_key(request, await request.body()),
+            request_key=key,
             retry=_is_retry(request),
         )
         events = gateway.chat(call)
@@ -263,6 +264,7 @@ def create_app(
     @openai_routes.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         req, _ = await _parse(request, CompletionRequest)
+        key = _request_key(request, await request.body())
         check_model(req.model)
         prompt = _single_prompt(req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= 5:
@@ -272,8 +274,8 @@ def create_app(
         call = CompletionCall(
             prompt=prompt,
             sampling=sampling,
-            session_id=await _resolve_session(request, req.session_id),
-            request_key=_request_key(request, await request.body()),
+            session_id=_resolve_session(request, req.session_id, key),
+            request_key=key,
             retry=_is_retry(request),
         )
         events = gateway.complete(call)
