@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.splitting import split_at
 from tokentape.core.reply import ReplyStream, ToolFormat, parse_reply
 
 CALLS: dict[ToolFormat, str] = {
@@ -49,15 +50,6 @@ def test_reasoning_is_split_off() -> None:
     assert (plain.reasoning, plain.content) == (None, "no tags <think> here")
 
 
-def _split(text: str, cuts: list[int]) -> list[str]:
-    points = sorted({c % (len(text) + 1) for c in cuts})
-    parts, last = [], 0
-    for p in points:
-        parts.append(text[last:p])
-        last = p
-    return [*parts, text[last:]]
-
-
 words = st.text(alphabet="abc xyz\n.<>/", max_size=20)
 
 
@@ -80,7 +72,7 @@ def test_streaming_agrees_with_parsing_the_whole_text(
     elif starts_inside:
         text = f"</think>{text}"
     stream = ReplyStream(fmt, reasoning=True, starts_inside=starts_inside)
-    parts = [part for piece in _split(text, cuts) for part in stream.feed(piece)] + stream.finish()
+    parts = [part for piece in split_at(text, cuts) for part in stream.feed(piece)] + stream.finish()
     streamed_reasoning = "".join(t for kind, t in parts if kind == "reasoning")
     streamed_content = "".join(t for kind, t in parts if kind == "content")
     parsed = parse_reply(text, fmt, reasoning=True, starts_inside=starts_inside)

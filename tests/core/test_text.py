@@ -5,24 +5,16 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.splitting import split_at
 from tokentape.core.text import StopStringFilter, TextAssembler
 
 texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    return [*pieces, data[last:]]
-
-
 @given(texts, st.lists(st.integers(0, 200), max_size=10))
 def test_utf8_split_across_tokens_is_reassembled(text: str, cuts: list[int]) -> None:
     assembler = TextAssembler()
-    out = "".join(assembler.feed(piece) for piece in _split(text.encode(), cuts)) + assembler.finish()
+    out = "".join(assembler.feed(piece) for piece in split_at(text.encode(), cuts)) + assembler.finish()
     assert out == text
 
 
@@ -37,12 +29,7 @@ def test_a_character_cut_by_truncation_becomes_one_replacement_character() -> No
     texts, st.lists(st.integers(0, 60), max_size=8), st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)
 )
 def test_stop_strings_cut_the_text_wherever_the_deltas_split(text: str, cuts: list[int], stops: list[str]) -> None:
-    points = sorted({c % (len(text) + 1) for c in cuts})
-    deltas, last = [], 0
-    for p in points:
-        deltas.append(text[last:p])
-        last = p
-    deltas.append(text[last:])
+    deltas = split_at(text, cuts)
     filt = StopStringFilter(stops)
     out = "".join(filt.feed(d) for d in deltas) + filt.finish()
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]

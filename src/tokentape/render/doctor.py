@@ -115,24 +115,12 @@ def audit(renderer: Renderer) -> list[Finding]:
     )
 
     # 3. BPE boundaries and exactness of bridges
-    sampled = [*tokenizer.encode(answer), *([stop] if stop is not None else [])]
-    tape, naive, _ = _tape_after(
-        renderer,
-        user,
-        {"role": "assistant", "content": answer},
-        sampled,
-        stop,
-        [{"role": "user", "content": "And a dog?"}],
-    )
-    spelled = [t for ch in answer for t in tokenizer.encode(ch)] + ([stop] if stop is not None else [])
-    tape2, naive2, _ = _tape_after(
-        renderer,
-        user,
-        {"role": "assistant", "content": answer},
-        spelled,
-        stop,
-        [{"role": "user", "content": "And a dog?"}],
-    )
+    closing = [stop] if stop is not None else []
+    sampled = [*tokenizer.encode(answer), *closing]
+    spelled = [t for ch in answer for t in tokenizer.encode(ch)] + closing  # what BPE would have merged
+    reply, follow = {"role": "assistant", "content": answer}, [{"role": "user", "content": "And a dog?"}]
+    tape, naive, _ = _tape_after(renderer, user, reply, sampled, stop, follow)
+    tape2, naive2, _ = _tape_after(renderer, user, reply, spelled, stop, follow)
     verdict: Verdict = "exact" if tape == naive else "note"
     findings.append(
         Finding(
