@@ -110,7 +110,7 @@ def serve(
         err=True,
     )
     uvicorn.run(
-        create_app(gateway, model_id=name, guard=guard, close_store_on_shutdown=True),
+        create_app(gateway, model_id=name, guard=guard, owns_gateway=True),
         host=host,
         port=port,
         log_level=log_level.lower(),

@@ -85,15 +85,35 @@ class GatewayClient:
         await self.http.aclose()
 
 
+class _StartingTransport(httpx2.AsyncBaseTransport):
+    """Calls the app in-process, starting the gateway before the first request (as a server's
+    lifespan would: remote engines learn their model and start their health checks)."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.inner = httpx2.ASGITransport(app=app)
+        self.gateway = gateway
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        await self.gateway.start()
+        return await self.inner.handle_async_request(request)
+
+
 class InProcessGateway(GatewayClient):
-    """A gateway and its app in this process: no port, no server."""
+    """A gateway and its app in this process: no port, no server. It starts with the first request;
+    `aclose()` closes a gateway it built (a gateway passed in stays its owner's to close)."""
 
     def __init__(
         self, settings: RuntimeSettings | None = None, *, gateway: Gateway | None = None, model: str | None = None
     ) -> None:
+        self._owns_gateway = gateway is None
         if gateway is None:
             gateway, model = build_gateway(settings or RuntimeSettings())
         self.gateway = gateway
         self.app = create_app(gateway, model_id=model or gateway.engine.model_id)
-        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=self.app), base_url=BASE, timeout=None)
+        http = httpx2.AsyncClient(transport=_StartingTransport(self.app, gateway), base_url=BASE, timeout=None)
         super().__init__(http, model or gateway.engine.model_id)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._owns_gateway:
+            await self.gateway.aclose()

@@ -6,7 +6,8 @@ TokentapeError                 base; carries an OpenAI error type and code
 ├── NotFound                   404 unknown model, session or route
 ├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
 ├── Overloaded                 429 queue full; retry later
-└── EngineFailure              500 the engine failed while generating
+├── EngineFailure              500 the engine failed while generating
+└── StoreFailure               500 a turn could not be written (it is not acknowledged)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "Overloaded",
+    "StoreFailure",
     "TokentapeError",
 ]
 
@@ -84,3 +86,11 @@ class EngineFailure(TokentapeError):
     status = 500
     error_type = "server_error"
     default_code = "engine_error"
+
+
+class StoreFailure(TokentapeError):
+    """A recorded turn could not be written to the store; it is neither acknowledged nor replayed."""
+
+    status = 500
+    error_type = "server_error"
+    default_code = "store_error"

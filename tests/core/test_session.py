@@ -10,6 +10,7 @@ import pytest
 from tokentape.core.messages import Message, chain_of, hash_chain
 from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request
 from tokentape.core.tape import Origin, RewritePolicy, TurnNode
+from tokentape.errors import Conflict
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 USER = {"role": "user", "content": "Plan a trip."}
@@ -114,6 +115,11 @@ def test_an_edited_reply_is_a_rewrite_handled_by_the_policy(policy: RewritePolic
     tree = SessionTree("s", policy)
     node = record(tree, None, [SYSTEM, USER], {"role": "assistant", "content": "Go to Rome."})
     edited = [SYSTEM, USER, {"role": "assistant", "content": "Go to Paris."}, {"role": "user", "content": "Why?"}]
+    if policy == "strict":  # the policy is settled here, once: strict rejects
+        with pytest.raises(Conflict) as rejected:
+            plan(tree, edited)
+        assert rejected.value.code == "rewrite_rejected" and "at message 2" in rejected.value.message
+        return
     decision = plan(tree, edited)
     assert decision.rewrite is not None
     assert (decision.rewrite.kind, decision.rewrite.at_message, decision.rewrite.policy) == (

@@ -110,6 +110,9 @@ class FlakyEngine:
         yield SampledToken(self.token, -0.1)
         raise EngineFailure("engine crashed mid-generation")
 
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "flaky", "calls": self.calls, "tokens_generated": None}
+
     async def close(self) -> None:
         return None
 
@@ -144,7 +147,7 @@ async def test_overload_answers_429_with_retry_after(engine: LlamaCppEngine, ren
     for rejected in (r for r in responses if r.status_code == 429):
         assert rejected.headers["retry-after"] == "1" and rejected.headers["retry-after-ms"] == "1000"
         assert rejected.json()["error"]["type"] == "rate_limit_error"
-    assert gateway.active == 0
+    assert gateway.stats().requests_admitted == 0
 
 
 def _route_paths(app: Any) -> list[tuple[str, str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from tokentape.core.messages import Message, chain_step
 from tokentape.core.outcome import Outcome
@@ -23,8 +24,17 @@ from tokentape.core.tape import (
     path,
     path_tokens,
 )
+from tokentape.errors import Conflict
 
-__all__ = ["SessionTree", "Extend", "Fresh", "NewTurn", "plan_request", "common_prefix_length"]
+__all__ = [
+    "SessionTree",
+    "Extend",
+    "Fresh",
+    "NewTurn",
+    "plan_request",
+    "settle_rewrite",
+    "common_prefix_length",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +196,25 @@ class SessionTree:
         return parent, shared if parent is not None else 0
 
 
+def settle_rewrite(rewrite: Rewrite) -> Literal["keep", "fork"]:
+    """The one place a rewrite policy is applied: `tape` keeps appending to the recorded tape,
+    `fork` starts a new branch from the template's rendering, `strict` rejects the request."""
+    if rewrite.policy == "strict":
+        raise Conflict(
+            f"this session's rewrite policy is strict and the request rewrites its history at message "
+            f"{rewrite.at_message}: {rewrite.detail}",
+            param="messages",
+            code="rewrite_rejected",
+        )
+    return "keep" if rewrite.policy == "tape" else "fork"
+
+
 def plan_request(tree: SessionTree, messages: Sequence[Message], chains: Sequence[bytes]) -> Extend | Fresh:
     """Decide, from message identity alone, how a request continues the tree (`chains`: the chain
     hashes of the request's message prefixes).
 
-    Raises nothing: the strict policy is applied by the caller, which also learns of template
-    rewrites only when it renders the bridge.
+    An edited reply goes to the session's policy (`settle_rewrite`, which raises `Conflict` under
+    `strict`); template rewrites are only known once the bridge is rendered, and go there too.
     """
     extended, covered, edited, edited_at = tree.locate(messages, chains)
     if edited is not None:
@@ -202,7 +225,7 @@ def plan_request(tree: SessionTree, messages: Sequence[Message], chains: Sequenc
             at_token=None,
             detail="the request's copy of a recorded reply differs from the reply that was sent",
         )
-        if tree.policy == "tape":
+        if settle_rewrite(rewrite) == "keep":
             return Extend(edited, edited_at + 1, rewrite)
         return Fresh(edited, rewrite)
     if extended is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokentape.core.sampling import SamplingParams
 
@@ -32,6 +32,10 @@ class Engine(Protocol):
     ) -> AsyncGenerator[SampledToken, None]:
         """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
         (included in the stream), after `params.max_tokens`, or at the end of the context."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The engine's own account of itself for status pages: at least `kind` and `tokens_generated`."""
         ...
 
     async def close(self) -> None: ...

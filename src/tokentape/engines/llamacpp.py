@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -169,6 +170,16 @@ class LlamaCppEngine:
     def _last_logits(self) -> np.ndarray:
         pointer = self._lib.llama_get_logits_ith(self._llama.ctx, -1)
         return np.ctypeslib.as_array(pointer, shape=(self._llama.n_vocab(),)).copy()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "llama.cpp",
+            "model": self.model_id,
+            "context_length": self.context_length,
+            "flash_attention": self.settings.flash_attention,
+            "waiting": self.waiting,
+            "tokens_generated": self.tokens_generated,
+        }
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -136,11 +136,12 @@ class Router:
         if self._health_task is None:
             self._health_task = asyncio.get_running_loop().create_task(loop())
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [
+    def describe(self) -> dict[str, Any]:
+        engines = [
             {**engine.describe(), "sessions": sum(1 for e in self._sticky.values() if e is engine)}
             for engine in self.engines
         ]
+        return {"kind": "router", "engines": engines, "moves": self.moves, "tokens_generated": self.tokens_generated}
 
     async def close(self) -> None:
         if self._health_task is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
@@ -24,6 +25,7 @@ class ScriptedEngine:
         self.model_id = "scripted"
         self.context_length = context_length
         self.calls = 0
+        self.tokens = 0
 
     def push(self, tokens: Sequence[int]) -> None:
         """Answer the next generation with exactly `tokens` (cut by max_tokens)."""
@@ -37,7 +39,11 @@ class ScriptedEngine:
         if params.max_tokens is not None:
             tokens = tokens[: params.max_tokens]
         for token in tokens:
+            self.tokens += 1
             yield SampledToken(token, -1.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "scripted", "model": self.model_id, "calls": self.calls, "tokens_generated": self.tokens}
 
     async def close(self) -> None:
         return None

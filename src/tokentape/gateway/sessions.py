@@ -1,6 +1,7 @@
-"""Live sessions: one tree and one lock each. The lock covers finding a request's place and
-attaching its turns, not the generation in between, so concurrent calls on one session proceed
-in parallel and each lands as its own turn."""
+"""Live sessions: each is one tree of turns in memory, backed by the store. There is no lock: the
+event loop runs one task at a time, and a request touches its session's tree only between awaits
+(finding its place, attaching a turn), so concurrent calls on one session proceed in parallel and
+each lands as its own turn."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ __all__ = ["MemoryLimits", "Session", "SessionRegistry", "REWRITE_POLICIES", "ch
 
 REWRITE_POLICIES: tuple[RewritePolicy, ...] = ("tape", "fork", "strict")
 UNNAMED_REQUESTS_KEPT = 4096  # SDK retries come within seconds; this covers minutes of traffic
-_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def check_session_id(session_id: str) -> str:
-    if not _SESSION_ID.match(session_id):
+    """The id, if it is one: the whole string must match (a trailing newline does not)."""
+    if not _SESSION_ID.fullmatch(session_id):
         raise InvalidRequest(
             "session ids are 1-128 characters of letters, digits and . _ : - (starting with a letter or digit)",
             param="session_id",
@@ -40,13 +42,23 @@ def check_policy(policy: str) -> RewritePolicy:
     raise InvalidRequest(f"rewrite_policy must be one of {', '.join(REWRITE_POLICIES)}", param="rewrite_policy")
 
 
+@dataclass(eq=False, slots=True)
+class Claim:
+    """A running request that holds its retry key: a retry of it waits for `done`."""
+
+    request: int  # the session's number for the request
+    done: asyncio.Future[None]
+
+
 @dataclass(eq=False)
 class Session:
     tree: SessionTree
-    requests: int = 0
-    in_flight: int = 0  # requests running now; a session is never evicted while one runs
+    requests: int = 0  # requests that passed planning (summaries show it)
+    numbered: int = 0  # request numbers handed out (at claim time, planned or not)
+    in_flight: int = 0  # requests holding a ticket now; a session is never evicted while one runs
     last_used: float = field(default_factory=time.monotonic)
-    pending: dict[bytes, asyncio.Future[None]] = field(default_factory=dict)  # request key -> first attempt
+    claims: dict[bytes, Claim] = field(default_factory=dict)  # request key -> its latest running request
+    unstored: set[int] = field(default_factory=set)  # turns whose write failed: never acknowledged or replayed
 
     @property
     def id(self) -> str:
@@ -137,8 +149,12 @@ class SessionRegistry:
         return self._load(session_id) is not None
 
     def discard(self, session_id: str) -> None:
-        """Forget a session that was never written (its first request failed)."""
+        """Forget a session that was never written (the requests that opened it recorded nothing)."""
         self._sessions.pop(session_id, None)
+
+    def close(self) -> None:
+        """Close the store (it checkpoints its log into the database file)."""
+        self.store.close()
 
     async def delete(self, session_id: str) -> None:
         self.get(session_id)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
 
-from tokentape.engines.remote import make_engine
-from tokentape.engines.router import Router
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.server.sessions_api import json_object
@@ -17,18 +14,13 @@ __all__ = ["add_admin_routes"]
 
 
 def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
-    def router() -> Router:
-        if not isinstance(gateway.engine, Router):
-            raise InvalidRequest("this gateway runs the embedded engine; start it with --engine to manage engines")
-        return gateway.engine
-
     def status() -> dict[str, Any]:
-        engines = gateway.engine.describe() if isinstance(gateway.engine, Router) else []
+        stats = gateway.stats()
         return {
-            "paused": gateway.paused,
-            "policy_version": gateway.policy_version,
-            "requests_active": gateway.active,
-            "engines": engines,
+            "paused": stats.paused,
+            "policy_version": stats.policy_version,
+            "requests_active": stats.requests_admitted,
+            "engine": stats.engine,
         }
 
     @app.get("/admin/status")
@@ -57,23 +49,17 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/admin/engines")
     async def engines() -> dict[str, Any]:
-        return {"object": "list", "data": router().describe()}
+        return {"object": "list", "data": gateway.pool()}
 
     @app.post("/admin/engines")
     async def change_engines(request: Request) -> dict[str, Any]:
         """`{"add": "vllm=http://host:port"}` or `{"drain": "http://host:port"}`."""
         data = await json_object(request)
-        pool = router()
         if isinstance(data.get("add"), str):
-            engine = make_engine(data["add"])
-            await engine.discover()
-            await engine.check_health()
-            pool.add(engine)
+            await gateway.add_engine(data["add"])
         elif isinstance(data.get("drain"), str):
-            engine = pool.find(data["drain"])
-            engine.draining = True  # no new work from now on, before this answer goes out
-            task = asyncio.create_task(pool.remove_when_drained(engine))
-            app.state.drains = [*getattr(app.state, "drains", []), task]  # keep a reference while it runs
+            gateway.drain_engine(data["drain"])  # no new work from now on, before this answer goes out
         else:
+            gateway.pool()  # an embedded gateway says so first
             raise InvalidRequest('send {"add": "KIND=URL"} or {"drain": "URL"}', param="add")
-        return {"object": "list", "data": pool.describe()}
+        return {"object": "list", "data": gateway.pool()}

@@ -1,9 +1,14 @@
-"""The one place that turns failures into HTTP: every error is an OpenAI error object
-`{"error": {"message", "type", "param", "code"}}` with the matching status."""
+"""The one place that turns failures into HTTP. Every exception becomes a `TokentapeError` (the tree
+in `tokentape.errors`), and each API family spells it its own way through an `ErrorShape`: today
+OpenAI's `{"error": {"message", "type", "param", "code"}}`. The serving layer marks each request with
+its dialect's shape; routes outside the dialects (sessions, admin, unknown paths) answer in OpenAI's.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 import pydantic
@@ -12,21 +17,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokentape.errors import InvalidRequest, Overloaded, TokentapeError
+from tokentape.errors import InvalidRequest, NotFound, Overloaded, TokentapeError
 
-__all__ = ["error_body", "error_response", "install_error_handlers", "invalid_from_validation", "json_response"]
+__all__ = [
+    "ErrorShape",
+    "OPENAI_ERRORS",
+    "error_body",
+    "error_response",
+    "install_error_handlers",
+    "invalid_from_validation",
+    "json_response",
+    "use_error_shape",
+]
 
 log = logging.getLogger("tokentape.server")
 
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
+_SHAPE_KEY = "tokentape.error_shape"  # where a request's dialect leaves its shape in the ASGI scope
 
 
 def json_response(body: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -34,17 +40,49 @@ def json_response(body: object, status_code: int = 200, headers: dict[str, str] 
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, object]:
+    """OpenAI's error object."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(exc: TokentapeError) -> Response:
+def _openai_body(exc: TokentapeError) -> dict[str, object]:
+    return error_body(exc.message, exc.error_type, exc.param, exc.code)
+
+
+def _openai_event(exc: TokentapeError) -> bytes:
+    # the openai SDK raises APIError for an SSE event that carries "error"; [DONE] still follows
+    return b"data: " + orjson.dumps(_openai_body(exc)) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How one API family spells an error: as a response body, and as an event inside a stream."""
+
+    name: str
+    body: Callable[[TokentapeError], dict[str, object]]
+    stream_event: Callable[[TokentapeError], bytes]
+
+
+OPENAI_ERRORS = ErrorShape("openai", _openai_body, _openai_event)
+
+
+def use_error_shape(request: Request, shape: ErrorShape) -> None:
+    """Answer this request's errors in `shape` (the serving layer calls this first)."""
+    request.scope[_SHAPE_KEY] = shape
+
+
+def _shape_of(request: Request) -> ErrorShape:
+    shape = request.scope.get(_SHAPE_KEY)
+    return shape if isinstance(shape, ErrorShape) else OPENAI_ERRORS
+
+
+def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
     headers = None
     if isinstance(exc, Overloaded):  # what the openai SDK honours before it retries
         headers = {
             "retry-after": str(max(1, round(exc.retry_after))),
             "retry-after-ms": str(int(exc.retry_after * 1000)),
         }
-    return json_response(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status, headers)
+    return json_response(shape.body(exc), exc.status, headers)
 
 
 def invalid_from_validation(exc: pydantic.ValidationError | RequestValidationError) -> InvalidRequest:
@@ -56,22 +94,31 @@ def invalid_from_validation(exc: pydantic.ValidationError | RequestValidationErr
     return InvalidRequest(f"invalid request{where}: {first.get('msg', 'invalid value')}", param=param)
 
 
+def _from_http(exc: HTTPException) -> TokentapeError:
+    """Starlette's own errors (unknown route, wrong method) in the tree."""
+    error: TokentapeError = NotFound(str(exc.detail)) if exc.status_code == 404 else InvalidRequest(str(exc.detail))
+    if exc.status_code not in (400, 404):
+        error.status = exc.status_code
+        error.code = None
+        if exc.status_code >= 500:
+            error.error_type = "server_error"
+    return error
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TokentapeError)
-    async def _known(_: Request, exc: TokentapeError) -> Response:
-        return error_response(exc)
+    async def _known(request: Request, exc: TokentapeError) -> Response:
+        return error_response(exc, _shape_of(request))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(invalid_from_validation(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(invalid_from_validation(exc), _shape_of(request))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> Response:
-        error_type = _STATUS_TYPES.get(exc.status_code, "server_error")
-        code = "not_found" if exc.status_code == 404 else None
-        return json_response(error_body(str(exc.detail), error_type, None, code), exc.status_code)
+    async def _http(request: Request, exc: HTTPException) -> Response:
+        return error_response(_from_http(exc), _shape_of(request))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error")
-        return json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
+        return error_response(TokentapeError("internal server error", code="internal_error"), _shape_of(request))

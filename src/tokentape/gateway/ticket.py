@@ -1,0 +1,150 @@
+"""A request's hold on shared state, taken with `async with` and given back in one place.
+
+A ticket holds the request's session (one this request opened is forgotten again if nothing was
+recorded in it), its request number and its claim on its retry key (a retry waits for the claim),
+an admission slot (past `Admission.limit` requests at once: `Overloaded`) and the session's
+in-flight count (a session with requests in flight is never evicted).
+
+The turns a request records are written to the store under its ticket. The claim is released only
+when every one of those writes has finished, even if the client left mid-write and the request was
+cancelled: a retry can never be answered with a turn that is not durable. A write is never
+cancelled with its request, and a turn whose write failed is neither acknowledged nor replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from types import TracebackType
+
+from tokentape.core.tape import TurnNode
+from tokentape.errors import Conflict, Overloaded, StoreFailure
+from tokentape.gateway.sessions import Claim, Session, SessionRegistry
+
+__all__ = ["Admission", "Ticket"]
+
+log = logging.getLogger("tokentape.gateway")
+
+
+def _log_failure(write: asyncio.Task[None]) -> None:
+    """Failed writes are logged here, whether or not a request is still waiting for them."""
+    if not write.cancelled() and (exc := write.exception()) is not None:
+        log.error("%s", exc)
+
+
+class Admission:
+    """Requests admitted at once; more get `Overloaded` (429 with Retry-After) before any work."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.admitted = 0
+
+    def take(self) -> None:
+        if self.admitted >= self.limit:
+            raise Overloaded(
+                f"{self.admitted} requests are already waiting for the engine; retry shortly", retry_after=1.0
+            )
+        self.admitted += 1
+
+    def give(self) -> None:
+        self.admitted -= 1
+
+
+class Ticket:
+    def __init__(
+        self,
+        sessions: SessionRegistry,
+        admission: Admission,
+        session: Session,
+        *,
+        created: bool,
+        key: bytes | None,
+        track_write: Callable[[asyncio.Task[None]], None],
+    ) -> None:
+        self.sessions = sessions
+        self.admission = admission
+        self.session = session
+        self.created = created  # this request opened the session
+        self.key = key
+        self.request: int | None = None  # the session's number for this request, once claimed
+        self._track_write = track_write
+        self._claim: Claim | None = None
+        self._admitted = False
+        self._in_flight = False
+        self._writes: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._admitted:
+            self.admission.give()
+        if self._in_flight:
+            self.session.in_flight -= 1
+        pending = [write for write in self._writes if not write.done()]
+        if pending:  # the client may be gone; the claim waits for the store all the same
+            asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: self._finish())
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        session, claim = self.session, self._claim
+        if claim is not None:
+            if self.key is not None and session.claims.get(self.key) is claim:
+                del session.claims[self.key]
+            if not claim.done.done():
+                claim.done.set_result(None)
+        if self.created and not session.tree.nodes and not session.in_flight and not session.claims:
+            self.sessions.discard(session.id)
+
+    # -- the steps of a request, in order ----------------------------------------------------------
+    async def first_attempt(self) -> int | None:
+        """For a retry: the request it repeats (the latest with its key), once that has finished."""
+        if self.key is None:
+            return None
+        running = self.session.claims.get(self.key)
+        if running is not None:
+            await asyncio.shield(running.done)
+            return running.request
+        return None
+
+    def claim(self) -> None:
+        """Number the request, claim its key, admit it, count it in flight."""
+        session = self.session
+        session.numbered += 1
+        self.request = session.numbered
+        if self.key is not None:
+            self._claim = Claim(self.request, asyncio.get_running_loop().create_future())
+            session.claims[self.key] = self._claim
+        session.check_open()
+        self.admission.take()
+        self._admitted = True
+        session.in_flight += 1
+        self._in_flight = True
+
+    def write(self, node: TurnNode) -> asyncio.Task[None]:
+        """Start writing a recorded turn; the write runs to its end whatever happens to the request."""
+
+        async def save() -> None:
+            try:
+                saved = await self.sessions.store.save_turn(self.session.tree, node, self.key)
+            except Exception as exc:
+                self.session.unstored.add(node.id)
+                raise StoreFailure(f"turn {node.id} of session {self.session.id!r} was not stored: {exc}") from exc
+            if not saved:
+                self.session.unstored.add(node.id)
+                raise Conflict(f"session {self.session.id!r} was deleted", param="session_id", code="session_deleted")
+
+        task = asyncio.get_running_loop().create_task(save())
+        task.add_done_callback(_log_failure)
+        self._writes.append(task)
+        self._track_write(task)
+        return task
+
+    @staticmethod
+    async def durable(write: asyncio.Task[None]) -> None:
+        """Wait until a write is done (raising its error); cancelling the wait leaves the write running."""
+        await asyncio.shield(write)

@@ -1,0 +1,193 @@
+"""The serving layer every generation route shares. A dialect (OpenAI chat, OpenAI completions, and
+any API family added later) supplies three things: how its request becomes a gateway call, how the
+gateway's events become its response, and how they become its stream. This module does the rest, the
+same way for all: error shape, session naming, retry identity, the first event before any byte is
+sent (so planning errors are proper error responses), and stopping generation when the client goes.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokentape.errors import InvalidRequest, NotFound, TokentapeError
+from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import check_session_id
+from tokentape.render.tokenizer import Tokenizer
+from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
+from tokentape.server.sessions_api import json_object
+
+__all__ = ["Dialect", "Origin", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
+
+SESSION_HEADER = "x-session-id"
+RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
+
+Req = TypeVar("Req", bound=pydantic.BaseModel)
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who a request is: the session it belongs to, its retry identity, and a client trace id."""
+
+    session_id: str | None
+    request_key: bytes  # names the request by where it went and what it said
+    retry: bool  # an SDK retry: replay the recorded answer, never sample again
+    trace_id: str | None = None
+
+
+class Dialect(abc.ABC, Generic[Req]):
+    """One API family's generation route: request translation, response and stream rendering."""
+
+    errors: ErrorShape
+    request_model: type[Req]
+    media_type = "text/event-stream"
+    stream_end = b""  # the stream's end marker, after the last event (and after an error event)
+
+    @abc.abstractmethod
+    def session_field(self, req: Req) -> str | None:
+        """The session named inside the request body, if the dialect has such a field."""
+
+    @abc.abstractmethod
+    def model_field(self, req: Req) -> str | None:
+        """The model the request names."""
+
+    @abc.abstractmethod
+    def streams(self, req: Req) -> bool:
+        """Whether the client asked for a stream."""
+
+    @abc.abstractmethod
+    def call(self, req: Req, raw: dict[str, Any], origin: Origin) -> Call:
+        """The request as a gateway call; raises InvalidRequest for what the gateway cannot express."""
+
+    @abc.abstractmethod
+    def respond(self, req: Req, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+        """The whole response body once every choice is done."""
+
+    @abc.abstractmethod
+    def stream(self, req: Req, started: Started, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        """The events as framed stream bytes (without the end marker)."""
+
+
+class Serving:
+    """Binds the gateway to the routes; `route(dialect)` is the handler for one dialect."""
+
+    def __init__(self, gateway: Gateway, model_id: str | None) -> None:
+        self.gateway = gateway
+        self._model_id = model_id
+        self.tokenizer: Tokenizer = gateway.renderer.tokenizer
+
+    @property
+    def model(self) -> str:
+        """The model name clients send: fixed, or the engines' own (learnt when they answer)."""
+        return self._model_id or self.gateway.engine.model_id
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise NotFound(
+                f"the model '{name}' does not exist; this server serves '{self.model}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def route(self, dialect: Dialect[Any]) -> Handler:
+        async def handle(request: Request) -> Response:
+            use_error_shape(request, dialect.errors)
+            raw = await json_object(request)
+            try:
+                req = dialect.request_model.model_validate(raw)
+            except pydantic.ValidationError as exc:
+                raise invalid_from_validation(exc) from exc
+            self.check_model(dialect.model_field(req))
+            origin = self.origin(request, dialect.session_field(req), await request.body())
+            events = self.gateway.run(dialect.call(req, raw, origin))
+            started = await _first(events)
+            headers = {"X-Session-ID": started.session_id}
+            if not dialect.streams(req):
+                choices = await _until_done_or_gone(request, events)
+                return json_response(dialect.respond(req, started, choices), headers=headers)
+            body = _framed(dialect, dialect.stream(req, started, events), events)
+            return StreamingResponse(body, media_type=dialect.media_type, headers=headers)
+
+        return handle
+
+    def origin(self, request: Request, body_session: str | None, body: bytes) -> Origin:
+        key = hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
+        retry = _is_retry(request)
+        named = {
+            value
+            for value in (request.path_params.get("session_id"), request.headers.get(SESSION_HEADER), body_session)
+            if value
+        }
+        if len(named) > 1:
+            raise InvalidRequest("the request names more than one session", param="session_id")
+        session_id = check_session_id(named.pop()) if named else None
+        if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
+            session_id = self.gateway.sessions.unnamed_session(key)
+        return Origin(session_id, key, retry)
+
+
+def _is_retry(request: Request) -> bool:
+    try:
+        return int(request.headers.get(RETRY_HEADER, "0")) > 0
+    except ValueError:
+        return False
+
+
+async def _first(events: AsyncGenerator[Event, None]) -> Started:
+    """The first event; planning errors surface here, before any byte is sent."""
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    assert isinstance(first, Started)
+    return first
+
+
+async def _framed(
+    dialect: Dialect[Any], chunks: AsyncIterator[bytes], events: AsyncGenerator[Event, None]
+) -> AsyncIterator[bytes]:
+    """A dialect's stream with its end marker; an error after the first byte becomes an in-stream
+    error event. The gateway's events are closed whatever happens, which releases the request."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except TokentapeError as exc:
+        yield dialect.errors.stream_event(exc)
+    finally:
+        await events.aclose()
+    yield dialect.stream_end
+
+
+async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
+    """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
+    recorded as aborted with what was sampled)."""
+
+    async def collect() -> list[ChoiceDone]:
+        async with contextlib.aclosing(events) as stream:
+            return [event async for event in stream if isinstance(event, ChoiceDone)]
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+    finished, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if work not in finished:
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return []
+    return work.result()
