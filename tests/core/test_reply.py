@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.splitting import split_at
-from tokentape.core.reply import ReplyStream, ToolFormat, parse_reply
+from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat, parse_reply
 
 CALLS: dict[ToolFormat, str] = {
     "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>',
@@ -50,34 +50,73 @@ def test_reasoning_is_split_off() -> None:
     assert (plain.reasoning, plain.content) == (None, "no tags <think> here")
 
 
-words = st.text(alphabet="abc xyz\n.<>/", max_size=20)
+words = st.text(alphabet="abc xyz\n.<>/{}", max_size=20)
+
+
+def _streamed(stream: ReplyStream, pieces: list[str]) -> tuple[str, str]:
+    parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
+    return "".join(t for kind, t in parts if kind == "reasoning"), "".join(t for kind, t in parts if kind == "content")
 
 
 @given(
     reasoning=st.one_of(st.none(), words),
+    closed=st.booleans(),
     content=words,
     fmt=st.sampled_from(list(CALLS)),
-    with_call=st.booleans(),
+    calls=st.integers(0, 2),
+    cut_call=st.one_of(st.none(), st.integers(1, 200)),
+    after=words,
     starts_inside=st.booleans(),
     cuts=st.lists(st.integers(0, 400), max_size=12),
 )
-def test_streaming_agrees_with_parsing_the_whole_text(
-    reasoning: str | None, content: str, fmt: ToolFormat, with_call: bool, starts_inside: bool, cuts: list[int]
+def test_streamed_deltas_add_up_to_the_parse_of_the_whole_text(
+    reasoning: str | None,
+    closed: bool,
+    content: str,
+    fmt: ToolFormat,
+    calls: int,
+    cut_call: int | None,
+    after: str,
+    starts_inside: bool,
+    cuts: list[int],
 ) -> None:
-    if fmt == "llama3":
-        content = ""  # Llama 3 calls are the whole reply
-    text = content + (CALLS[fmt] if with_call else "")
+    """Whatever the text (complete calls, a call cut by max_tokens, stray markers, text around
+    them) and however it is cut into pieces, the stream carries the same reply as the parse."""
+    body = content + CALLS[fmt] * calls + after
+    if cut_call is not None:  # a call cut short, as max_tokens leaves it
+        body = content + CALLS[fmt][: cut_call % len(CALLS[fmt])]
     if reasoning is not None:
-        text = (f"{reasoning}</think>" if starts_inside else f"<think>{reasoning}</think>") + text
-    elif starts_inside:
-        text = f"</think>{text}"
-    stream = ReplyStream(fmt, reasoning=True, starts_inside=starts_inside)
-    parts = [part for piece in split_at(text, cuts) for part in stream.feed(piece)] + stream.finish()
-    streamed_reasoning = "".join(t for kind, t in parts if kind == "reasoning")
-    streamed_content = "".join(t for kind, t in parts if kind == "content")
-    parsed = parse_reply(text, fmt, reasoning=True, starts_inside=starts_inside)
-    assert streamed_reasoning.strip("\n") == (parsed.reasoning or "").strip("\n")
-    if parsed.tool_calls:
-        assert streamed_content.strip() == parsed.content.strip()
+        close = "</think>" if closed else ""
+        text = (reasoning if starts_inside else f"<think>{reasoning}") + close + (body if closed else "")
     else:
-        assert streamed_content.lstrip("\n") == parsed.content.lstrip("\n")
+        text = ("</think>" if starts_inside else "") + body
+    parsed = parse_reply(text, fmt, reasoning=True, starts_inside=starts_inside)
+    stream = ReplyStream(fmt, reasoning=True, starts_inside=starts_inside)
+    streamed_reasoning, streamed_content = _streamed(stream, split_at(text, cuts))
+    assert stream.parsed == parsed or (stream.parsed is not None and _same_but_ids(stream.parsed, parsed))
+    assert streamed_reasoning == (parsed.reasoning or "")
+    assert streamed_content == parsed.content
+
+
+def _same_but_ids(a: ParsedReply, b: ParsedReply) -> bool:
+    def strip(calls: list[dict[str, object]]) -> list[object]:
+        return [call["function"] for call in calls]
+
+    return (a.content, a.reasoning, strip(a.tool_calls)) == (b.content, b.reasoning, strip(b.tool_calls))
+
+
+def test_a_marker_cut_by_max_tokens_streams_as_content() -> None:
+    """The case agents hit: a reply that opens a tool call and is cut before it closes."""
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "argu'
+    stream = ReplyStream("hermes", reasoning=False, starts_inside=False)
+    _, content = _streamed(stream, [text[:20], text[20:]])
+    assert content == text
+    assert stream.parsed is not None and stream.parsed.tool_calls == [] and stream.parsed.content == text
+
+
+def test_text_before_a_call_streams_without_its_trailing_white_space() -> None:
+    text = "Checking.\n\n" + CALLS["hermes"]
+    stream = ReplyStream("hermes", reasoning=False, starts_inside=False)
+    _, content = _streamed(stream, list(text))
+    assert content == "Checking."
+    assert stream.parsed is not None and len(stream.parsed.tool_calls) == 1

@@ -17,6 +17,7 @@ __all__ = [
     "ToolFormat",
     "ParsedReply",
     "ReplyStream",
+    "Part",
     "parse_reply",
     "split_reasoning",
     "TOOL_START_MARKERS",
@@ -64,9 +65,10 @@ def split_reasoning(text: str, starts_inside: bool) -> tuple[str | None, str]:
             return reasoning.strip("\n"), ""
         return reasoning.strip("\n"), rest.lstrip("\n")
     stripped = text.lstrip()
-    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
-        reasoning, _, rest = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
-        return reasoning.strip("\n"), rest.lstrip("\n")
+    if stripped.startswith(THINK_OPEN):
+        # an open block never closed (cut by max_tokens) is reasoning too, as when the prompt opened it
+        reasoning, closed, rest = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
+        return reasoning.strip("\n"), rest.lstrip("\n") if closed else ""
     return None, text
 
 
@@ -97,14 +99,24 @@ _DEEPSEEK = re.compile(
 )
 
 
+def _content_around(text: str, spans: list[tuple[int, int]]) -> str:
+    """The text outside tool calls: what comes before the first call (trailing white space dropped),
+    then any text between or after the calls. A stream can emit the first part as it arrives."""
+    before = text[: spans[0][0]].rstrip()
+    gaps = [text[end:start] for (_, end), (start, _) in zip(spans, [*spans[1:], (len(text), 0)], strict=True)]
+    after = "".join(gaps).strip()
+    return before + ("\n" if before and after else "") + after
+
+
 def _parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
-    calls = []
+    calls, spans = [], []
     for match in _HERMES.finditer(text):
         obj = _json_object(match.group(1))
         if obj is None or not isinstance(obj.get("name"), str):
             return text, []  # one malformed call: show the text as it is
         calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-    return (_HERMES.sub("", text).strip(), calls) if calls else (text, [])
+        spans.append(match.span())
+    return (_content_around(text, spans), calls) if calls else (text, [])
 
 
 _QWEN_XML = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
@@ -119,21 +131,23 @@ def _loose_value(text: str) -> Any:
 
 
 def _parse_qwen_xml(text: str) -> tuple[str, list[dict[str, Any]]]:
-    calls = []
+    calls, spans = [], []
     for match in _QWEN_XML.finditer(text):
         arguments = {key.strip(): _loose_value(value) for key, value in _QWEN_PARAM.findall(match.group(2))}
         calls.append(_call(match.group(1).strip(), arguments))
-    return (_QWEN_XML.sub("", text).strip(), calls) if calls else (text, [])
+        spans.append(match.span())
+    return (_content_around(text, spans), calls) if calls else (text, [])
 
 
 def _parse_glm(text: str) -> tuple[str, list[dict[str, Any]]]:
-    calls = []
+    calls, spans = [], []
     for match in _GLM.finditer(text):
         arguments: dict[str, Any] = {}
         for key, value in _GLM_ARG.findall(match.group(2)):
             arguments[key.strip()] = _loose_value(value)
         calls.append(_call(match.group(1).strip(), arguments))
-    return (_GLM.sub("", text).strip(), calls) if calls else (text, [])
+        spans.append(match.span())
+    return (_content_around(text, spans), calls) if calls else (text, [])
 
 
 def _parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -145,15 +159,15 @@ def _parse_llama3(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
-    start = text.find("<｜tool▁calls▁begin｜>")
-    region = text if start < 0 else text[start:]
+    starts = [at for at in (text.find(m) for m in TOOL_START_MARKERS["deepseek"]) if at >= 0]
+    start = min(starts, default=0)
     calls = []
-    for name, arguments in _DEEPSEEK.findall(region):
+    for name, arguments in _DEEPSEEK.findall(text[start:]):
         obj = _json_object(arguments)
         calls.append(_call(name.strip(), obj if obj is not None else arguments))
     if not calls:
         return text, []
-    return (text[:start] if start >= 0 else "").strip(), calls
+    return text[:start].rstrip(), calls
 
 
 _PARSERS: dict[ToolFormat, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
@@ -174,22 +188,36 @@ def parse_reply(text: str, tool_format: ToolFormat, *, reasoning: bool, starts_i
     return ParsedReply(content, thought, calls)
 
 
+Part = tuple[Literal["reasoning", "content"], str]
+
+
 class ReplyStream:
-    """Splits streamed text into reasoning and content deltas; from a tool-call marker on, text is
-    held until the end, when `parse_reply` on the whole text gives the tool calls."""
+    """Splits streamed text into reasoning and content deltas that add up to exactly what
+    `parse_reply` gives for the whole text, however the text was cut into pieces.
+
+    From a tool-call marker on, text is held until the end; white space before it is held too (a
+    call drops it from the content). `finish` parses the whole text and emits whatever the parse
+    holds beyond what was streamed: a marker that never became a call is content after all.
+    """
 
     def __init__(self, tool_format: ToolFormat, *, reasoning: bool, starts_inside: bool) -> None:
+        self._format = tool_format
         self._markers = TOOL_START_MARKERS[tool_format]
         self._reasoning = reasoning or starts_inside
+        self._starts_inside = starts_inside
         self._in_reasoning = starts_inside
         self._seen_open = starts_inside
         self._held = ""
         self._in_tools = False
         self._started = False
         self._skip_newlines = starts_inside  # newlines right after a reasoning marker are not text
+        self._text: list[str] = []
+        self._sent: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.parsed: ParsedReply | None = None  # set by `finish`
 
-    def feed(self, text: str) -> list[tuple[Literal["reasoning", "content"], str]]:
-        out: list[tuple[Literal["reasoning", "content"], str]] = []
+    def feed(self, text: str) -> list[Part]:
+        self._text.append(text)
+        out: list[Part] = []
         buffer = self._held + text
         self._held = ""
         while buffer and not self._in_tools:
@@ -223,30 +251,44 @@ class ReplyStream:
                     self._skip_newlines = True
                     buffer = stripped[len(THINK_OPEN) :]
                     continue
+            if self._format == "llama3" and not self._started:
+                stripped = buffer.lstrip()
+                if not stripped:
+                    self._held = buffer
+                    return out
+                if stripped.startswith("{"):  # Llama 3 often calls with bare JSON: the whole reply
+                    self._in_tools = True
+                    return out
             hits = [i for i in (buffer.find(m) for m in self._markers) if i >= 0]
             if hits:
-                self._emit(out, "content", buffer[: min(hits)])
+                self._emit(out, "content", buffer[: min(hits)].rstrip())
                 self._in_tools = True
                 return out
             keep = _partial_suffix(buffer, self._markers)
+            keep += len(buffer) - keep - len(buffer[: len(buffer) - keep].rstrip())
             self._emit(out, "content", buffer[: len(buffer) - keep])
             self._held = buffer[len(buffer) - keep :]
             return out
         return out
 
-    def _emit(
-        self, out: list[tuple[Literal["reasoning", "content"], str]], kind: Literal["reasoning", "content"], text: str
-    ) -> None:
+    def _emit(self, out: list[Part], kind: Literal["reasoning", "content"], text: str) -> None:
         if text:
             self._started = self._started or kind == "content"
+            self._sent[kind].append(text)
             out.append((kind, text))
 
-    def finish(self) -> list[tuple[Literal["reasoning", "content"], str]]:
-        """Text still held back that turned out to be plain (not the start of a marker)."""
-        if self._in_tools or not self._held:
-            return []
-        held, self._held = self._held, ""
-        return [("reasoning" if self._in_reasoning else "content", held)]
+    def finish(self) -> list[Part]:
+        """Parse the whole text (kept in `parsed`) and emit what the parse holds beyond what was
+        streamed: held text that was plain after all, or a marker that never became a call."""
+        self.parsed = parse_reply(
+            "".join(self._text), self._format, reasoning=self._reasoning, starts_inside=self._starts_inside
+        )
+        out: list[Part] = []
+        for kind, whole in (("reasoning", self.parsed.reasoning or ""), ("content", self.parsed.content)):
+            sent = "".join(self._sent[kind])
+            if whole.startswith(sent) and len(whole) > len(sent):
+                out.append((kind, whole[len(sent) :]))  # type: ignore[arg-type]
+        return out
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat, parse_reply
+from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason
 from tokentape.core.text import StopStringFilter, TextAssembler
@@ -120,13 +120,9 @@ class ChoiceRun:
             self.finish = "abort" if interrupted else "length"
         if (event := self._delta(self._stops.feed(self._assembler.finish()) + self._stops.finish(), True)) is not None:
             yield event
-        mode = self.mode
-        if mode is None:
-            self.reply = ParsedReply(self.text, None)
-        else:
-            self.reply = parse_reply(
-                self.text, mode.tool_format, reasoning=mode.reasoning, starts_inside=mode.starts_inside
-            )
+        # the stream's own parse of the whole text: the streamed deltas add up to exactly this reply
+        parsed = self._splitter.parsed if self._splitter is not None else None
+        self.reply = parsed if parsed is not None else ParsedReply(self.text, None)
         if self.reply.tool_calls and self.finish == "stop":
             self.finish = "tool_calls"
         self.completed = True

@@ -236,7 +236,7 @@ def _tool_calls_as_text(messages: list[Message]) -> list[Message]:
         if role == "assistant" and message.get("tool_calls"):
             calls = [
                 "<tool_call>\n"
-                + json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})})
+                + json.dumps({"name": c["function"]["name"], "arguments": _as_object(c["function"].get("arguments"))})
                 + "\n</tool_call>"
                 for c in message["tool_calls"]
             ]
@@ -249,6 +249,17 @@ def _tool_calls_as_text(messages: list[Message]) -> list[Message]:
         else:
             out.append(message)
     return out
+
+
+def _as_object(arguments: Any) -> Any:
+    """Arguments as the format's instructions show them: a JSON object, not JSON text inside a string
+    (a model copies the longer, escaped form it sees in its history)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return {} if arguments is None else arguments
 
 
 def _with_tool_list(messages: list[Message], tools: Sequence[Mapping[str, Any]], example: str) -> list[Message]:
