@@ -123,8 +123,18 @@ async def test_unknown_routes_methods_and_sessions_are_openai_errors(http: httpx
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_conflicting_session_names_are_rejected(http: httpx.AsyncClient) -> None:
-    response = await http.post("/sessions/a/v1/chat/completions", json=GOOD, headers={"X-Session-ID": "b"})
+async def test_header_and_body_naming_different_sessions_are_rejected(http: httpx.AsyncClient) -> None:
+    body = {**GOOD, "session_id": "a"}
+    response = await http.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "b"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "session_id"
     assert (await http.get("/sessions")).json()["data"] == []
+
+
+async def test_the_base_url_names_the_session_and_a_header_is_kept_as_the_trace_id(http: httpx.AsyncClient) -> None:
+    """Agent harnesses send their own trace id in X-Session-ID; the base URL still decides."""
+    response = await http.post("/sessions/a/v1/chat/completions", json=GOOD, headers={"X-Session-ID": "trace-7"})
+    assert response.status_code == 200 and response.json()["session_id"] == "a"
+    assert [s["session_id"] for s in (await http.get("/sessions")).json()["data"]] == ["a"]
+    (branch,) = (await http.get("/sessions/a/export")).json()["branches"]
+    assert branch["trace_ids"] == ["trace-7"]

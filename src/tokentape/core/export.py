@@ -33,6 +33,9 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "rewrites": [node.rewrite.as_dict() for node in branch.nodes if node.rewrite is not None],
         "turn_ids": [node.id for node in branch.nodes],
         "policy_versions": [node.policy_version for node in branch.nodes],
+        # per turn: sampled under a constraint (its logprobs are not the free policy's)
+        "constrained": [node.constrained for node in branch.nodes],
+        "trace_ids": [node.trace_id for node in branch.nodes],
     }
 
 

@@ -68,6 +68,8 @@ class Sample:
             "finished": outcome.finished,
             "metadata": outcome.metadata,
             "policy_versions": [node.policy_version for node in self.branch.nodes],  # one per turn
+            # one per turn: sampled under a constraint, so its logprobs are not the free policy's
+            "constrained": [node.constrained for node in self.branch.nodes],
         }
 
 
@@ -123,6 +125,7 @@ def _stepwise(sample: Sample) -> list[dict[str, Any]]:
                 "turn_id": node.id,
                 "reward": turn_rewards.get(node.id, sample.reward),
                 "policy_version": node.policy_version,
+                "constrained": node.constrained,
                 "prompt_ids": branch.tokens[:start],
                 "completion_ids": branch.tokens[start:end],
                 "completion_logprobs": branch.logprobs[start:end],
@@ -154,6 +157,7 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                 ],
                 "scores": [m.reward for m in members],
                 "policy_versions": [[node.policy_version for node in m.branch.nodes] for m in members],
+                "constrained": [[node.constrained for node in m.branch.nodes] for m in members],
             }
         )
     return rows

@@ -147,6 +147,8 @@ class SessionTree:
         reply: Message,
         request_key: bytes | None = None,
         policy_version: str | None = None,
+        constrained: bool = False,
+        trace_id: str | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
@@ -166,6 +168,8 @@ class SessionTree:
             rewrite=turn.rewrite,
             request_key=request_key,
             policy_version=policy_version,
+            constrained=constrained,
+            trace_id=trace_id,
         )
         self.restore(node)
         return node

@@ -74,6 +74,10 @@ class TurnNode:
     rewrite: Rewrite | None = None
     request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
     policy_version: str | None = None  # the weights that sampled this turn
+    # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
+    # distribution's, not the policy's
+    constrained: bool = False
+    trace_id: str | None = None  # the client's own name for the call, when it differs from the session
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

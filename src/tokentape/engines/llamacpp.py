@@ -10,6 +10,7 @@ sampler, so that the recorded logprob is the one the token was drawn from.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -21,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
 from tokentape.engines.sampler import sample_token
-from tokentape.errors import ContextOverflow, EngineFailure
+from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
 __all__ = ["LlamaCppEngine", "LlamaCppSettings", "default_threads"]
 
@@ -48,6 +49,8 @@ class LlamaCppSettings:
 
 class LlamaCppEngine:
     """A GGUF model in-process. `generate` is safe to call from many tasks at once."""
+
+    constraint_kinds: frozenset[ConstraintKind] = frozenset({"json_schema", "grammar"})
 
     def __init__(self, settings: LlamaCppSettings) -> None:
         import llama_cpp
@@ -75,7 +78,13 @@ class LlamaCppEngine:
         self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         if not prompt:
             raise EngineFailure("empty prompt")
@@ -83,6 +92,7 @@ class LlamaCppEngine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}", param="messages"
             )
+        grammar = self.grammar_text(constraint) if constraint is not None else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
         cancel = threading.Event()
@@ -91,13 +101,15 @@ class LlamaCppEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         self.waiting += 1
-        job = loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, cancel, emit)
+        job = loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, grammar, cancel, emit)
         job.add_done_callback(self._job_done)
         try:
             while True:
                 item = await queue.get()
                 if item is _DONE:
                     break
+                if isinstance(item, InvalidRequest):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineFailure(f"the embedded engine failed: {item}") from item
                 assert isinstance(item, SampledToken)
@@ -108,17 +120,32 @@ class LlamaCppEngine:
     def _job_done(self, _: object) -> None:
         self.waiting -= 1
 
+    @staticmethod
+    def grammar_text(constraint: Constraint) -> str:
+        """The constraint as a llama.cpp grammar (JSON schemas through llama.cpp's own converter)."""
+        if constraint.kind == "grammar":
+            return constraint.value
+        if constraint.kind == "json_schema":
+            from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+            try:
+                return str(json_schema_to_gbnf(constraint.value))
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param="response_format") from exc
+        raise InvalidRequest(f"the embedded engine cannot enforce a {constraint.kind} constraint")
+
     def _run(
         self,
         prompt: list[int],
         params: SamplingParams,
         seed: int | None,
+        grammar: str | None,
         cancel: threading.Event,
         emit: Callable[[object], None],
     ) -> None:
         try:
             if not cancel.is_set():
-                self._generate_blocking(prompt, params, seed, cancel, emit)
+                self._generate_blocking(prompt, params, seed, grammar, cancel, emit)
         except Exception as exc:  # reported to the waiting coroutine, never lost in the thread
             emit(exc)
         finally:
@@ -129,6 +156,7 @@ class LlamaCppEngine:
         prompt: list[int],
         params: SamplingParams,
         seed: int | None,
+        grammar: str | None,
         cancel: threading.Event,
         emit: Callable[[object], None],
     ) -> None:
@@ -137,17 +165,28 @@ class LlamaCppEngine:
         stop_ids = self._end_of_turn | frozenset(params.stop_token_ids)
         room = self.context_length - len(prompt)
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
-        logits = self._prefill(prompt)
-        for _ in range(limit):
-            if cancel.is_set():
-                return
-            token, logprob, top = sample_token(logits, params, rng)
-            self.tokens_generated += 1
-            emit(SampledToken(token, logprob, top))
-            if token in stop_ids:
-                return
-            llama.eval([token])
-            logits = self._last_logits()
+        mask = _GrammarMask(self._lib, self._llama, grammar) if grammar is not None else None
+        try:
+            logits = self._prefill(prompt)
+            for _ in range(limit):
+                if cancel.is_set():
+                    return
+                if mask is not None:
+                    logits = mask.apply(logits)
+                    if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
+                        return
+                token, logprob, top = sample_token(logits, params, rng)
+                self.tokens_generated += 1
+                emit(SampledToken(token, logprob, tuple((t, lp) for t, lp in top if np.isfinite(lp))))
+                if token in stop_ids:
+                    return
+                if mask is not None:
+                    mask.accept(token)
+                llama.eval([token])
+                logits = self._last_logits()
+        finally:
+            if mask is not None:
+                mask.close()
 
     def _prefill(self, prompt: list[int]) -> np.ndarray:
         """Evaluate the prompt, reusing the KV cache for the prefix shared with the last call."""
@@ -184,3 +223,39 @@ class LlamaCppEngine:
     async def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._llama.close()
+
+
+class _GrammarMask:
+    """llama.cpp's grammar sampler used as a mask only: it sets the logit of every token that would
+    leave the grammar to -inf, and our own sampler draws from what is left (so the recorded logprob is
+    the constrained distribution's). After the grammar is complete only end-of-turn tokens remain."""
+
+    def __init__(self, lib: Any, llama: Any, grammar: str) -> None:
+        self._lib = lib
+        vocab = lib.llama_model_get_vocab(llama.model)
+        self._sampler = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        if not self._sampler:
+            raise InvalidRequest("the grammar does not parse", param="grammar")
+        n_vocab = llama.n_vocab()
+        self._data = (lib.llama_token_data * n_vocab)()
+        self._view = np.ctypeslib.as_array(self._data)  # a structured view: id, logit, p
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._array = lib.llama_token_data_array(data=self._data, size=n_vocab, selected=-1, sorted=False)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        self._view["id"] = self._ids
+        self._view["logit"] = logits
+        self._view["p"] = 0.0
+        self._array.size = len(self._ids)
+        self._array.selected = -1
+        self._array.sorted = False
+        self._lib.llama_sampler_apply(self._sampler, ctypes.byref(self._array))
+        masked = np.full_like(logits, -np.inf)
+        masked[self._view["id"]] = self._view["logit"]
+        return masked
+
+    def accept(self, token: int) -> None:
+        self._lib.llama_sampler_accept(self._sampler, token)
+
+    def close(self) -> None:
+        self._lib.llama_sampler_free(self._sampler)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
 __all__ = ["RemoteEngine", "VLLMEngine", "VLLMGenerateEngine", "SGLangEngine", "ENGINE_KINDS", "make_engine"]
@@ -29,6 +29,7 @@ class RemoteEngine:
     """Shared plumbing: one HTTP client, health, load and error mapping."""
 
     kind = "remote"
+    constraint_kinds: frozenset[ConstraintKind] = frozenset()  # the gateway refuses constrained requests
 
     def __init__(
         self, base_url: str, *, model: str | None = None, context_length: int = 32768, timeout: float = 600.0
@@ -60,7 +61,13 @@ class RemoteEngine:
         return self.healthy
 
     def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         raise NotImplementedError  # each wire dialect below
 
@@ -139,7 +146,13 @@ class VLLMEngine(RemoteEngine):
     kind = "vllm"
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         body: dict[str, Any] = {
             "model": self.model_id,
@@ -172,7 +185,13 @@ class VLLMGenerateEngine(RemoteEngine):
     kind = "vllm-generate"
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         sampling: dict[str, Any] = {
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
@@ -207,7 +226,13 @@ class SGLangEngine(RemoteEngine):
     kind = "sglang"
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         rid = uuid.uuid4().hex
         sampling: dict[str, Any] = {

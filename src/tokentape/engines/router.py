@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
 from tokentape.engines.remote import RemoteEngine
 from tokentape.errors import EngineFailure, NotFound
 
@@ -96,11 +96,23 @@ class Router:
                 self._sticky.popitem(last=False)
         return chosen
 
+    @property
+    def constraint_kinds(self) -> frozenset[ConstraintKind]:
+        """What every engine enforces: a session may land on any of them."""
+        kinds = [engine.constraint_kinds for engine in self.engines]
+        return frozenset.intersection(*kinds) if kinds else frozenset()
+
     def _slot(self, engine: RemoteEngine) -> asyncio.Semaphore:
         return self._slots.setdefault(engine.base_url, asyncio.Semaphore(self.max_in_flight))
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         engine = self.place(session_id)
         engine.in_flight += 1  # counted while queued too, so placement sees the real load
@@ -108,7 +120,7 @@ class Router:
             async with self._slot(engine):
                 produced = 0
                 try:
-                    stream = engine.generate(prompt, params, seed=seed, session_id=session_id)
+                    stream = engine.generate(prompt, params, seed=seed, session_id=session_id, constraint=constraint)
                     async with contextlib.aclosing(stream):
                         async for token in stream:
                             produced += 1

@@ -12,7 +12,7 @@ from tokentape.core.messages import Message
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason, RewritePolicy
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, SampledToken
 from tokentape.render.renderer import RenderOptions
 
 __all__ = ["ChatCall", "CompletionCall", "Call", "Started", "TextDelta", "ChoiceDone", "Event"]
@@ -29,6 +29,7 @@ class ChatCall:
     request_key: bytes | None = None  # names this request's body, for SDK retries
     retry: bool = False  # an SDK retry (x-stainless-retry-count > 0): replay, never sample again
     trace_id: str | None = None  # a second session name the client sent, kept on its turns
+    constraint: Constraint | None = None  # what the output must match (tool_choice, response_format)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason
 from tokentape.core.text import StopStringFilter, TextAssembler
-from tokentape.engines.base import Engine, SampledToken
+from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.errors import EngineFailure
 from tokentape.gateway.calls import TextDelta
 from tokentape.render.tokenizer import Tokenizer
@@ -50,6 +50,7 @@ class ChoiceRun:
         session_id: str,
         interrupted: Callable[[], bool],
         on_engine_call: Callable[[], None],
+        constraint: Constraint | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.index = engine, tokenizer, index
         self.prompt, self.sampling, self.mode = prompt, sampling, mode
@@ -57,6 +58,7 @@ class ChoiceRun:
         self.session_id = session_id
         self._interrupted = interrupted
         self._on_engine_call = on_engine_call
+        self.constraint = constraint
         self.tokens: list[SampledToken] = []
         self.text_parts: list[str] = []
         self.finish: FinishReason = "abort"
@@ -96,7 +98,11 @@ class ChoiceRun:
             try:
                 self._on_engine_call()
                 generation = self.engine.generate(
-                    self.prompt, self.sampling, seed=self.sampling.choice_seed(self.index), session_id=self.session_id
+                    self.prompt,
+                    self.sampling,
+                    seed=self.sampling.choice_seed(self.index),
+                    session_id=self.session_id,
+                    constraint=self.constraint,
                 )
                 async with contextlib.aclosing(generation):
                     async for sample in generation:

@@ -20,7 +20,7 @@ from typing import Any
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import path_tokens
-from tokentape.engines.base import Engine, SampledToken
+from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
 from tokentape.errors import ContextOverflow, InvalidRequest
@@ -158,6 +158,13 @@ class Gateway:
         return self.chat(call) if isinstance(call, ChatCall) else self.complete(call)
 
     async def chat(self, call: ChatCall) -> AsyncGenerator[Event, None]:
+        constraint = call.constraint
+        if constraint is not None and constraint.kind not in self.engine.constraint_kinds:
+            raise InvalidRequest(
+                "this engine cannot constrain its output (tool_choice 'required' or a named function, "
+                "response_format json); use tool_choice 'auto' and no response_format",
+                param="tool_choice" if constraint.kind == "grammar" else "response_format",
+            )
         async for event in self._serve(call, None):
             yield event
 
@@ -184,8 +191,9 @@ class Gateway:
             self._check_room(plan.prompt, call.sampling)
             session.requests += 1
             yield Started(session.id, plan.prompt)
+            constraint = call.constraint if isinstance(call, ChatCall) else None
             for index in range(call.sampling.n):
-                async for event in self._choice(ticket, plan, call.sampling, index):
+                async for event in self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id):
                     yield event
 
     def _ticket(self, call: Call) -> Ticket:
@@ -250,7 +258,15 @@ class Gateway:
         return events
 
     # -- one choice ------------------------------------------------------------------------------------
-    async def _choice(self, ticket: Ticket, plan: Plan, sampling: SamplingParams, index: int) -> AsyncIterator[Event]:
+    async def _choice(
+        self,
+        ticket: Ticket,
+        plan: Plan,
+        sampling: SamplingParams,
+        index: int,
+        constraint: Constraint | None,
+        trace_id: str | None,
+    ) -> AsyncIterator[Event]:
         session: Session = ticket.session
         await self._running.wait()  # a weight update is in progress: wait, do not fail
         epoch, version = self._abort_epoch, self.policy_version
@@ -265,6 +281,7 @@ class Gateway:
             session_id=session.id,
             interrupted=lambda: self._abort_epoch != epoch,
             on_engine_call=self._count_engine_call,
+            constraint=constraint,
         )
         write: asyncio.Task[None] | None = None
         try:
@@ -283,6 +300,8 @@ class Gateway:
                     reply=run.partial_reply().message(),
                     request_key=ticket.key,
                     policy_version=version,
+                    constrained=constraint is not None,
+                    trace_id=trace_id,
                 )
                 write = ticket.write(node)
         assert write is not None  # a generation that ended normally was recorded above

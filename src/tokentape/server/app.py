@@ -76,13 +76,13 @@ def create_app(
     openai_routes = APIRouter()
     openai_routes.add_api_route(
         "/chat/completions",
-        serving.route(OpenAIChat(tokenizer)),
+        serving.route(OpenAIChat(tokenizer, gateway.renderer.tool_format)),
         methods=["POST"],
         openapi_extra=_body_schema(ChatCompletionRequest),
     )
     openai_routes.add_api_route(
         "/completions",
-        serving.route(OpenAICompletions(tokenizer)),
+        serving.route(OpenAICompletions(tokenizer, gateway.renderer.tool_format)),
         methods=["POST"],
         openapi_extra=_body_schema(CompletionRequest),
     )

@@ -10,9 +10,11 @@ from typing import Any
 import orjson
 
 from tokentape.core.messages import flatten_text_parts
+from tokentape.core.reply import ToolFormat
 from tokentape.core.sampling import SamplingParams
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import ChatCall, ChoiceDone, CompletionCall, Event, Started, TextDelta
+from tokentape.gateway.constraints import output_constraint
 from tokentape.gateway.sessions import check_policy
 from tokentape.render.renderer import RenderOptions
 from tokentape.render.tokenizer import Tokenizer
@@ -75,8 +77,9 @@ class _OpenAI(Dialect[Any]):
     errors = OPENAI_ERRORS
     stream_end = b"data: [DONE]\n\n"
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat = "hermes") -> None:
         self.tokenizer = tokenizer
+        self.tool_format = tool_format  # the model's tool-call syntax, for enforced tool choices
 
     def session_field(self, req: Any) -> str | None:
         value: str | None = req.session_id
@@ -108,10 +111,18 @@ class OpenAIChat(_OpenAI):
             request_key=origin.request_key,
             retry=origin.retry,
             trace_id=origin.trace_id,
+            constraint=output_constraint(req.tools, req.tool_choice, req.response_format, self.tool_format),
         )
 
     def _wire(self, req: ChatCompletionRequest, started: Started) -> WireBuilder:
-        return WireBuilder(self.tokenizer, req.model, "chat", started.session_id, started.prompt_token_ids)
+        return WireBuilder(
+            self.tokenizer,
+            req.model,
+            "chat",
+            started.session_id,
+            started.prompt_token_ids,
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        )
 
     def respond(self, req: ChatCompletionRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
         return self._wire(req, started).chat_completion(choices, req.top_logprobs or 0)
@@ -169,7 +180,14 @@ class OpenAICompletions(_OpenAI):
         )
 
     def _wire(self, req: CompletionRequest, started: Started) -> WireBuilder:
-        return WireBuilder(self.tokenizer, req.model, "completion", started.session_id, started.prompt_token_ids)
+        return WireBuilder(
+            self.tokenizer,
+            req.model,
+            "completion",
+            started.session_id,
+            started.prompt_token_ids,
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        )
 
     def _echo(self, req: CompletionRequest) -> str:
         if not req.echo:

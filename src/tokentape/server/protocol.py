@@ -77,14 +77,18 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     rewrite_policy: StrictStr | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class TokenizeRequest(_Body):

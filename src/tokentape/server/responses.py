@@ -18,8 +18,18 @@ __all__ = ["WireBuilder"]
 class WireBuilder:
     """Shapes one response; holds its id, creation time and model name."""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, kind: str, session_id: str, prompt: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model: str,
+        kind: str,
+        session_id: str,
+        prompt: list[int],
+        *,
+        tokens_as_ids: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids: tokens spelt "token_id:N", as vLLM does
         self.model = model
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -30,6 +40,11 @@ class WireBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._piece_text(token_id)
+
+    def _piece_text(self, token_id: int) -> str:
         piece = self.tokenizer.token_bytes(token_id)
         return piece.decode("utf-8", "replace") if piece else self.tokenizer.special_text(token_id)
 
@@ -117,9 +132,9 @@ class WireBuilder:
     def completion_logprobs(self, tokens: Sequence[SampledToken], top: int, offset: int) -> dict[str, Any]:
         texts = [self._token_text(t.token_id) for t in tokens]
         offsets = []
-        for text in texts:
+        for sample in tokens:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self._piece_text(sample.token_id))
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],

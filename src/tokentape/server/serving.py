@@ -124,17 +124,24 @@ class Serving:
     def origin(self, request: Request, body_session: str | None, body: bytes) -> Origin:
         key = hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
         retry = _is_retry(request)
-        named = {
-            value
-            for value in (request.path_params.get("session_id"), request.headers.get(SESSION_HEADER), body_session)
-            if value
-        }
-        if len(named) > 1:
-            raise InvalidRequest("the request names more than one session", param="session_id")
-        session_id = check_session_id(named.pop()) if named else None
+        session_id, trace_id = _session_names(request, body_session)
         if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
             session_id = self.gateway.sessions.unnamed_session(key)
-        return Origin(session_id, key, retry)
+        return Origin(session_id, key, retry, trace_id)
+
+
+def _session_names(request: Request, body_session: str | None) -> tuple[str | None, str | None]:
+    """(the session, the client's trace id). The base URL wins: a header or body field naming another
+    session is the client's own name for the call (agent harnesses send a trace id there), kept on the
+    turn. Without a base URL, a header and a body field that disagree are an error."""
+    in_path = request.path_params.get("session_id")
+    others = [value for value in (request.headers.get(SESSION_HEADER), body_session) if value]
+    if in_path:
+        trace = next((value for value in others if value != in_path), None)
+        return check_session_id(in_path), check_session_id(trace) if trace is not None else None
+    if len(set(others)) > 1:
+        raise InvalidRequest("the request names more than one session", param="session_id")
+    return (check_session_id(others[0]) if others else None), None
 
 
 def _is_retry(request: Request) -> bool:

@@ -50,10 +50,15 @@ CREATE TABLE IF NOT EXISTS turns (
     rewrite TEXT,
     request_key BLOB,
     policy_version TEXT,
+    constrained INTEGER NOT NULL DEFAULT 0,
+    trace_id TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
 """
+
+
+_ADDED_COLUMNS = {"constrained": "INTEGER NOT NULL DEFAULT 0", "trace_id": "TEXT"}
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -107,6 +112,10 @@ class SqliteStore:
         # NORMAL survives a process kill (the WAL is in the OS); FULL would also survive power loss.
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(turns)")}
+        for column, declaration in _ADDED_COLUMNS.items():  # stores written before these columns existed
+            if column not in columns:
+                connection.execute(f"ALTER TABLE turns ADD COLUMN {column} {declaration}")
         self._connection = connection
 
     @property
@@ -144,7 +153,7 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -162,6 +171,8 @@ class SqliteStore:
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
                     node.policy_version,
+                    int(node.constrained),
+                    node.trace_id,
                 ),
             )
             self.db.execute("COMMIT")
@@ -241,6 +252,8 @@ class SqliteStore:
                 rewrite,
                 request_key,
                 policy_version,
+                constrained,
+                trace_id,
             ) = turn
             tree.restore(
                 TurnNode(
@@ -260,6 +273,8 @@ class SqliteStore:
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
                     policy_version=policy_version,
+                    constrained=bool(constrained),
+                    trace_id=trace_id,
                 )
             )
         return tree
