@@ -20,6 +20,9 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
+from tokentape.server.dialects.anthropic import AnthropicMessages, MessagesRequest
+from tokentape.server.dialects.generate import GenerateRequest, VLLMGenerate
+from tokentape.server.dialects.responses import OpenAIResponses, ResponsesRequest
 from tokentape.server.errors import install_error_handlers, invalid_from_validation
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
@@ -137,8 +140,32 @@ def create_app(
             raise InvalidRequest(f"token IDs must be between 0 and {tokenizer.vocab_size - 1}", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
+    # -- the other dialects agents and trainers speak, on the same sessions and tapes ---------------
+    renderer = gateway.renderer
+    openai_routes.add_api_route(
+        "/responses",
+        serving.route(OpenAIResponses(tokenizer, renderer.tool_format)),
+        methods=["POST"],
+        openapi_extra=_body_schema(ResponsesRequest),
+    )
+    openai_routes.add_api_route(
+        "/messages",
+        serving.route(AnthropicMessages(tokenizer, renderer.tool_format, renderer.reasoning)),
+        methods=["POST"],
+        openapi_extra=_body_schema(MessagesRequest),
+    )
+    token_routes = APIRouter()  # vLLM's token route lives at the server root, not under /v1
+    token_routes.add_api_route(
+        "/inference/v1/generate",
+        serving.route(VLLMGenerate(gateway.engine.context_length)),
+        methods=["POST"],
+        openapi_extra=_body_schema(GenerateRequest),
+    )
+
     app.include_router(openai_routes, prefix="/v1")
     app.include_router(openai_routes, prefix="/sessions/{session_id}/v1", dependencies=[Depends(_session_path)])
+    app.include_router(token_routes)
+    app.include_router(token_routes, prefix="/sessions/{session_id}", dependencies=[Depends(_session_path)])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))

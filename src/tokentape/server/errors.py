@@ -1,7 +1,9 @@
 """The one place that turns failures into HTTP. Every exception becomes a `TokentapeError` (the tree
-in `tokentape.errors`), and each API family spells it its own way through an `ErrorShape`: today
-OpenAI's `{"error": {"message", "type", "param", "code"}}`. The serving layer marks each request with
-its dialect's shape; routes outside the dialects (sessions, admin, unknown paths) answer in OpenAI's.
+in `tokentape.errors`), and each API family spells it its own way through an `ErrorShape`: OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, or Anthropic's `{"type": "error", "error":
+{"type", "message"}}` on the Messages route. The serving layer marks each request with its dialect's
+shape; the guard in front of every route picks it by path (`shape_for_path`); routes outside the
+dialects (sessions, admin, unknown paths) answer in OpenAI's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from starlette.exceptions import HTTPException
 from tokentape.errors import InvalidRequest, NotFound, Overloaded, TokentapeError
 
 __all__ = [
+    "ANTHROPIC_ERRORS",
     "ErrorShape",
     "OPENAI_ERRORS",
+    "shape_for_path",
     "error_body",
     "error_response",
     "install_error_handlers",
@@ -63,6 +67,35 @@ class ErrorShape:
 
 
 OPENAI_ERRORS = ErrorShape("openai", _openai_body, _openai_event)
+
+# Anthropic's error types by HTTP status
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    503: "overloaded_error",
+}
+
+
+def _anthropic_body(exc: TokentapeError) -> dict[str, object]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+
+
+def _anthropic_event(exc: TokentapeError) -> bytes:
+    return b"event: error\ndata: " + orjson.dumps(_anthropic_body(exc)) + b"\n\n"
+
+
+ANTHROPIC_ERRORS = ErrorShape("anthropic", _anthropic_body, _anthropic_event)
+
+
+def shape_for_path(path: str) -> ErrorShape:
+    """The error shape of the client at `path`, for answers given before any route runs."""
+    return ANTHROPIC_ERRORS if path.rstrip("/").endswith("/v1/messages") else OPENAI_ERRORS
 
 
 def use_error_shape(request: Request, shape: ErrorShape) -> None:

@@ -9,7 +9,8 @@ from typing import Any
 
 import orjson
 
-from tokentape.server.errors import error_body
+from tokentape.errors import TokentapeError
+from tokentape.server.errors import shape_for_path
 
 __all__ = ["Guard", "GuardSettings", "OPEN_PATHS"]
 
@@ -44,6 +45,7 @@ class Guard:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         if sum(len(k) + len(v) for k, v in headers) > self.settings.max_header_bytes:
             await _reject(
+                scope,
                 send,
                 431,
                 f"request headers exceed {self.settings.max_header_bytes} bytes",
@@ -53,9 +55,10 @@ class Guard:
             return
         if self.settings.api_keys and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
             await _reject(
+                scope,
                 send,
                 401,
-                "a valid API key is required (Authorization: Bearer <key>)",
+                "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
                 None,
                 "invalid_api_key",
                 "authentication_error",
@@ -64,13 +67,23 @@ class Guard:
         declared = dict(headers).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             await _reject(
-                send, 413, f"the request body exceeds {self.settings.max_body_bytes} bytes", None, "request_too_large"
+                scope,
+                send,
+                413,
+                f"the request body exceeds {self.settings.max_body_bytes} bytes",
+                None,
+                "request_too_large",
             )
             return
         body = await self._read_body(receive)
         if body is None:
             await _reject(
-                send, 413, f"the request body exceeds {self.settings.max_body_bytes} bytes", None, "request_too_large"
+                scope,
+                send,
+                413,
+                f"the request body exceeds {self.settings.max_body_bytes} bytes",
+                None,
+                "request_too_large",
             )
             return
         replayed = False
@@ -114,9 +127,17 @@ class Guard:
 
 
 async def _reject(
-    send: Any, status: int, message: str, param: str | None, code: str, error_type: str = "invalid_request_error"
+    scope: Scope,
+    send: Any,
+    status: int,
+    message: str,
+    param: str | None,
+    code: str,
+    error_type: str = "invalid_request_error",
 ) -> None:
-    payload = orjson.dumps(error_body(message, error_type, param, code))
+    error = TokentapeError(message, param=param, code=code)
+    error.status, error.error_type = status, error_type
+    payload = orjson.dumps(shape_for_path(scope["path"]).body(error))
     await send(
         {
             "type": "http.response.start",

@@ -1,0 +1,471 @@
+"""Anthropic Messages (`POST /v1/messages`) <-> the gateway's chat turn.
+
+Requests: `system` becomes the system message; content blocks become chat messages (`tool_use` ->
+the assistant's tool calls, `tool_result` -> tool messages, `thinking` -> the assistant's reasoning);
+tools with `input_schema` become chat tools; `tool_choice` {auto, any, tool, none} the chat forms;
+`stop_sequences` stop strings. An assistant message echoed back is recognised as the reply that was
+returned (its tool_use input compared as parsed JSON), so the tape extends.
+
+Responses: built as the `anthropic` package's own `Message` and stream-event types (validated), with
+the stop reason in Anthropic's words, plus the token data (`prompt_token_ids`, `token_ids`,
+`session_id`, and `logprobs` when the request asks with `logprobs: true`).
+Errors are Anthropic's shape (`server.errors.ANTHROPIC_ERRORS`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Annotated, Any
+
+import orjson
+import pydantic
+from anthropic.types import Message as AnthropicMessage
+from anthropic.types import RawMessageStreamEvent
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from tokentape.core.reply import ToolFormat
+from tokentape.core.sampling import SamplingParams
+from tokentape.core.tape import FinishReason
+from tokentape.engines.base import SampledToken
+from tokentape.errors import InvalidRequest
+from tokentape.gateway.calls import ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.gateway.constraints import output_constraint
+from tokentape.render.renderer import RenderOptions
+from tokentape.render.tokenizer import Tokenizer
+from tokentape.server.errors import ANTHROPIC_ERRORS
+from tokentape.server.serving import Dialect, Origin
+
+__all__ = [
+    "MessagesRequest",
+    "MessageShaper",
+    "chat_messages",
+    "chat_tools",
+    "chat_tool_choice",
+    "AnthropicMessages",
+]
+
+MAX_MESSAGES = 4096
+Number = StrictInt | StrictFloat
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: StrictStr
+    max_tokens: StrictInt
+    messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
+    system: StrictStr | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
+    metadata: dict[str, Any] | None = None
+    # what trainers add
+    seed: StrictInt | None = None
+    session_id: StrictStr | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+
+
+# -- requests --------------------------------------------------------------------------------------
+def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, Mapping) for b in content):
+        raise InvalidRequest(f"{where}.content must be text or a list of content blocks", param=f"{where}.content")
+    return content
+
+
+def _plain_text(content: Any, where: str) -> str:
+    texts = []
+    for j, block in enumerate(_blocks(content, where)):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise InvalidRequest(
+                f"{where}.content[{j}]: only text blocks are supported here (got {block.get('type')!r})",
+                param=f"{where}.content",
+            )
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def chat_messages(
+    system: str | Sequence[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _plain_text(system, "system")})
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise InvalidRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+        blocks = _blocks(message.get("content"), where)
+        if role == "assistant":
+            out.append(_assistant(blocks, where))
+            continue
+        texts: list[str] = []
+        for j, block in enumerate(blocks):
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+                result = block.get("content")
+                text = "" if result is None else result if isinstance(result, str) else _plain_text(result, where)
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            else:
+                raise InvalidRequest(
+                    f"{where}.content[{j}]: blocks of type {kind!r} are not supported", param=f"{where}.content"
+                )
+        if texts:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _assistant(blocks: Sequence[Mapping[str, Any]], where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("input"), Mapping):
+            arguments = json.dumps(block["input"], ensure_ascii=False)
+            calls.append(
+                {"id": block.get("id"), "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+            )
+        else:
+            raise InvalidRequest(
+                f"{where}.content[{j}]: blocks of type {kind!r} are not supported", param=f"{where}.content"
+            )
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+            raise InvalidRequest(f"tools[{i}]: only custom tools with a name are supported", param=f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(tool_choice: Mapping[str, Any] | None) -> str | dict[str, Any] | None:
+    if tool_choice is None:
+        return None
+    kind = tool_choice.get("type")
+    if kind in ("auto", "none"):
+        return str(kind)
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": tool_choice.get("name")}}
+    raise InvalidRequest("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
+
+
+# -- responses -------------------------------------------------------------------------------------
+def _tool_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+class MessageShaper:
+    """Shapes one reply: the whole `Message`, or the stream of events that builds it."""
+
+    def __init__(
+        self,
+        req: MessagesRequest,
+        *,
+        session_id: str,
+        prompt: list[int],
+        token_text: Any,
+        stopped_by: Any,
+    ) -> None:
+        self.req = req
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.session_id = session_id
+        self.prompt = prompt
+        self._token_text = token_text  # token id -> (text, bytes)
+        self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
+        self._index = -1
+        self._open: str | None = None  # the kind of the block being streamed
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model}
+
+    def content(self, done: ChoiceDone) -> list[dict[str, Any]]:
+        reply = done.reply
+        blocks: list[dict[str, Any]] = []
+        if reply.reasoning:
+            blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        if reply.content or not (reply.reasoning or reply.tool_calls):
+            blocks.append({"type": "text", "text": reply.content})
+        for call in reply.tool_calls:
+            blocks.append(self._tool_use(call))
+        return blocks
+
+    @staticmethod
+    def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
+        function = call["function"]
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = {}
+        return {
+            "type": "tool_use",
+            "id": _tool_id(call["id"]),
+            "name": function["name"],
+            "input": arguments if isinstance(arguments, dict) else {"value": arguments},
+        }
+
+    def stop(self, done: ChoiceDone) -> tuple[str, str | None]:
+        if done.reply.tool_calls and done.finish_reason in ("stop", "tool_calls"):
+            return "tool_use", None
+        reason: tuple[str, str | None] = self._stopped_by(done.tokens, done.finish_reason)
+        return reason
+
+    def message(self, done: ChoiceDone) -> dict[str, Any]:
+        stop_reason, stop_sequence = self.stop(done)
+        body = {
+            **self._head(),
+            "content": self.content(done),
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": len(self.prompt), "output_tokens": len(done.tokens)},
+            "prompt_token_ids": self.prompt,
+            "token_ids": [t.token_id for t in done.tokens],
+            "session_id": self.session_id,
+        }
+        if self.req.logprobs:
+            body["logprobs"] = self.logprobs(done.tokens)
+        AnthropicMessage.model_validate(body)
+        return body
+
+    def logprobs(self, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
+        top = self.req.top_logprobs or 0
+        entries = []
+        for sample in tokens:
+            text, raw = self._token_text(sample.token_id)
+            alternatives = [
+                {"token": self._token_text(t)[0], "token_id": t, "logprob": lp} for t, lp in sample.top_logprobs[:top]
+            ]
+            entries.append(
+                {
+                    "token": text,
+                    "token_id": sample.token_id,
+                    "logprob": sample.logprob,
+                    "bytes": raw,
+                    "top_logprobs": alternatives,
+                }
+            )
+        return entries
+
+    # -- the stream ----------------------------------------------------------------------------------
+    def opening(self) -> Iterator[dict[str, Any]]:
+        message = {
+            **self._head(),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": len(self.prompt), "output_tokens": 0},
+            "prompt_token_ids": self.prompt,
+            "session_id": self.session_id,
+        }
+        yield {"type": "message_start", "message": message}
+
+    def _close(self) -> Iterator[dict[str, Any]]:
+        if self._open is not None:
+            self._open = None
+            yield {"type": "content_block_stop", "index": self._index}
+
+    def _start(self, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield from self._close()
+        self._index += 1
+        self._open = block["type"]
+        yield {"type": "content_block_start", "index": self._index, "content_block": block}
+
+    def delta(self, event: TextDelta) -> Iterator[dict[str, Any]]:
+        if event.reasoning:
+            if self._open != "thinking":
+                yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+            yield {
+                "type": "content_block_delta",
+                "index": self._index,
+                "delta": {"type": "thinking_delta", "thinking": event.reasoning},
+            }
+        if event.text:
+            if self._open == "thinking":
+                yield {
+                    "type": "content_block_delta",
+                    "index": self._index,
+                    "delta": {"type": "signature_delta", "signature": ""},
+                }
+            if self._open != "text":
+                yield from self._start({"type": "text", "text": ""})
+            yield {
+                "type": "content_block_delta",
+                "index": self._index,
+                "delta": {"type": "text_delta", "text": event.text},
+            }
+
+    def closing(self, done: ChoiceDone) -> Iterator[dict[str, Any]]:
+        if self._index < 0 and not done.reply.tool_calls:
+            yield from self._start({"type": "text", "text": ""})  # an empty reply is one empty text block
+        for call in done.reply.tool_calls:
+            block = self._tool_use(call)
+            yield from self._start({**block, "input": {}})
+            partial = json.dumps(block["input"], ensure_ascii=False)
+            yield {
+                "type": "content_block_delta",
+                "index": self._index,
+                "delta": {"type": "input_json_delta", "partial_json": partial},
+            }
+        yield from self._close()
+        stop_reason, stop_sequence = self.stop(done)
+        usage: dict[str, Any] = {"output_tokens": len(done.tokens)}
+        delta: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": usage,
+        }
+        delta["token_ids"] = [t.token_id for t in done.tokens]
+        if self.req.logprobs:
+            delta["logprobs"] = self.logprobs(done.tokens)
+        yield delta
+        yield {"type": "message_stop"}
+
+
+def finish_words(finish: FinishReason) -> str:
+    return {"length": "max_tokens", "abort": "max_tokens"}.get(finish, "end_turn")
+
+
+_EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
+
+
+def check_event(event: dict[str, Any]) -> dict[str, Any]:
+    """One stream event checked against the `anthropic` package's event union (used by the tests)."""
+    _EVENTS.validate_python(event)
+    return event
+
+
+# -- the dialect -----------------------------------------------------------------------------------
+def _sse(event: dict[str, Any]) -> bytes:
+    """Anthropic's events are named by their type."""
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class AnthropicMessages(Dialect[MessagesRequest]):
+    errors = ANTHROPIC_ERRORS
+    request_model = MessagesRequest
+
+    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat, reasoning: bool) -> None:
+        self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        self.reasoning = reasoning  # the template reads `enable_thinking`
+        self._end_of_turn = tokenizer.end_of_turn_ids
+
+    def session_field(self, req: MessagesRequest) -> str | None:
+        return req.session_id
+
+    def model_field(self, req: MessagesRequest) -> str | None:
+        return req.model
+
+    def streams(self, req: MessagesRequest) -> bool:
+        return bool(req.stream)
+
+    def call(self, req: MessagesRequest, raw: dict[str, Any], origin: Origin) -> ChatCall:
+        if req.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if req.stop_sequences is not None and len(req.stop_sequences) > 4:
+            raise InvalidRequest("at most 4 stop_sequences", param="stop_sequences")
+        messages = chat_messages(req.system, req.messages)
+        if not any(m["role"] != "system" for m in messages):
+            raise InvalidRequest("messages must not be empty", param="messages")
+        tools = chat_tools(req.tools)
+        tool_choice = chat_tool_choice(req.tool_choice)
+        thinking = (req.thinking or {}).get("type") == "enabled"
+        top = req.top_logprobs or 0
+        sampling = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop=tuple(req.stop_sequences or ()),
+            logprobs=bool(req.logprobs) or top > 0,
+            top_logprobs=top,
+        )
+        answer_format = (req.output_config or {}).get("format")
+        template_kwargs = {"enable_thinking": thinking} if self.reasoning else None
+        return ChatCall(
+            messages=messages,
+            sampling=sampling,
+            options=RenderOptions(tools=tools, template_kwargs=template_kwargs),
+            session_id=origin.session_id,
+            parse_tool_calls=bool(tools) and tool_choice != "none",
+            request_key=origin.request_key,
+            retry=origin.retry,
+            trace_id=origin.trace_id,
+            constraint=output_constraint(tools, tool_choice, answer_format, self.tool_format),
+        )
+
+    def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:
+        def token_text(token_id: int) -> tuple[str, list[int]]:
+            piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
+            return piece.decode("utf-8", "replace"), list(piece)
+
+        def stopped_by(tokens: Sequence[SampledToken], finish: FinishReason) -> tuple[str, str | None]:
+            """Anthropic's stop reason, and the stop sequence that ended the reply if one did."""
+            if finish != "stop":
+                return finish_words(finish), None
+            if tokens and tokens[-1].token_id in self._end_of_turn:
+                return "end_turn", None
+            text = self.tokenizer.decode([t.token_id for t in tokens])
+            found = [(text.find(stop), stop) for stop in req.stop_sequences or () if stop in text]
+            return ("stop_sequence", min(found)[1]) if found else ("end_turn", None)
+
+        return MessageShaper(
+            req,
+            session_id=started.session_id,
+            prompt=started.prompt_token_ids,
+            token_text=token_text,
+            stopped_by=stopped_by,
+        )
+
+    def respond(self, req: MessagesRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+        (done,) = choices
+        return self._shaper(req, started).message(done)
+
+    async def stream(
+        self, req: MessagesRequest, started: Started, events: AsyncIterator[Event]
+    ) -> AsyncIterator[bytes]:
+        shaper = self._shaper(req, started)
+        for opened in shaper.opening():
+            yield _sse(opened)
+        async for event in events:
+            if isinstance(event, TextDelta):
+                for shaped in shaper.delta(event):
+                    yield _sse(shaped)
+            elif isinstance(event, ChoiceDone):
+                for shaped in shaper.closing(event):
+                    yield _sse(shaped)
