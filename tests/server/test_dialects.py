@@ -1,0 +1,171 @@
+"""The Responses and Anthropic Messages translations: input items and content blocks to chat
+messages, stream events that validate as the openai and anthropic packages' own event types, and
+bad input answered in each dialect's error shape without touching any session."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tokentape.server.dialects import anthropic, responses
+
+
+def _events(body: str) -> list[tuple[str, dict[str, Any]]]:
+    out, name = [], ""
+    for line in body.splitlines():
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            out.append((name, json.loads(line[len("data: ") :])))
+    return out
+
+
+async def test_responses_stream_events_are_the_sdks_types(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL_NAME, "input": "Hi", "stream": True, "max_output_tokens": 8, "temperature": 0}
+    response = await http.post("/v1/responses", json=body)
+    assert response.status_code == 200
+    events = _events(response.text)
+    for name, event in events:
+        responses.check_event(event)
+        assert name == event["type"]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    kinds = [e["type"] for _, e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    final = events[-1][1]["response"]
+    streamed = "".join(e["delta"] for _, e in events if e["type"] == "response.output_text.delta")
+    assert final["output"][0]["content"][0]["text"] == streamed
+
+
+async def test_anthropic_stream_events_are_the_sdks_types(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    response = await http.post("/v1/messages", json=body)
+    assert response.status_code == 200
+    events = _events(response.text)
+    for name, event in events:
+        anthropic.check_event(event)
+        assert name == event["type"]
+    kinds = [e["type"] for _, e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+
+
+def test_output_items_echoed_back_merge_into_the_reply_they_came_from() -> None:
+    items: list[Any] = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Look it up."}],
+        },
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "call_a", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_b", "name": "g", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "call_a", "output": "1"},
+        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "2"}]},
+    ]
+    assert responses.chat_messages(items) == [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_a", "content": "1"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "2"},
+    ]
+
+
+def test_anthropic_blocks_become_chat_messages() -> None:
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Look it up.", "signature": ""},
+                {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"city": "Rome"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "text", "text": "Thanks"},
+            ],
+        },
+    ]
+    assert anthropic.chat_messages([{"type": "text", "text": "Be brief."}], messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Look it up.",
+            "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Rome"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "user", "content": "Thanks"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0]"),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "Hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+        ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "Hi", "max_output_tokens": "ten"}, "max_output_tokens"),
+    ],
+)
+async def test_bad_responses_requests_get_openai_errors(
+    http: httpx.AsyncClient, body: dict[str, Any], param: str
+) -> None:
+    response = await http.post("/sessions/bad/v1/responses", json={"model": MODEL_NAME, **body})
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
+    assert (await http.get("/sessions")).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"max_tokens": 5, "messages": [{"role": "robot", "content": "Hi"}]},
+        {"messages": [{"role": "user", "content": "Hi"}]},
+        {"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "sometimes"}},
+    ],
+)
+async def test_bad_messages_requests_get_anthropic_errors(http: httpx.AsyncClient, body: dict[str, Any]) -> None:
+    response = await http.post("/sessions/bad/v1/messages", json={"model": MODEL_NAME, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+    assert (await http.get("/sessions")).json()["data"] == []
+
+
+async def test_a_response_stored_with_store_false_cannot_be_continued(http: httpx.AsyncClient) -> None:
+    first = await http.post(
+        "/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3, "store": False}
+    )
+    assert first.status_code == 200
+    again = await http.post(
+        "/v1/responses", json={"model": MODEL_NAME, "input": "More", "previous_response_id": first.json()["id"]}
+    )
+    assert again.status_code == 404 and again.json()["error"]["code"] == "previous_response_not_found"
