@@ -1,0 +1,74 @@
+"""Run inside a virtualenv that has verifiers 0.4.0 (it pins openai<3, so not the project's): drive
+verifiers' training client, which renders tokens itself and posts them to the token route, against a
+running tokentape server, and print what the client returned as JSON.
+
+usage: python verifiers_train_client.py BASE_URL SESSION MODEL GGUF TEMPLATE_FILE WORK_DIR
+(the API key comes in TOKENTAPE_TEST_KEY)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _tokenizer_dir(gguf: Path, template: Path, work: Path) -> str:
+    """The GGUF's tokenizer as a Hugging Face directory, which verifiers' renderers load."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.chat_template = template.read_text()
+    target = work / "tokenizer"
+    tokenizer.save_pretrained(str(target))
+    return str(target)
+
+
+async def _run(base_url: str, session: str, model: str, tokenizer: str) -> list[dict[str, Any]]:
+    from verifiers.v1.clients.train import TrainClient
+    from verifiers.v1.configs.client import TrainClientConfig
+    from verifiers.v1.dialects import ChatDialect
+    from verifiers.v1.types import SamplingConfig
+
+    config = TrainClientConfig(
+        base_url=f"{base_url}/sessions/{session}/v1", api_key_var="TOKENTAPE_TEST_KEY", renderer_model_name=tokenizer
+    )
+    client = TrainClient(config)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Name a colour."}]
+    out = []
+    for follow_up in ("Name another one.", None):
+        response = await client.get_response(
+            ChatDialect(),
+            {"model": model, "messages": messages},
+            SamplingConfig(temperature=0, max_tokens=12),
+            session_id="vf-trace-1",  # its eval trace id, sent as X-Session-ID
+        )
+        tokens = response.tokens
+        out.append(
+            {
+                "prompt_ids": list(tokens.prompt_ids),
+                "completion_ids": list(tokens.completion_ids),
+                "completion_logprobs": list(tokens.completion_logprobs),
+                "content": response.message.content,
+            }
+        )
+        if follow_up is None:
+            break
+        messages += [
+            {"role": "assistant", "content": response.message.content or ""},
+            {"role": "user", "content": follow_up},
+        ]
+    await client.close()
+    return out
+
+
+def main() -> None:
+    base_url, session, model, gguf, template, work = sys.argv[1:7]
+    tokenizer = _tokenizer_dir(Path(gguf), Path(template), Path(work))
+    print(json.dumps(asyncio.run(_run(base_url, session, model, tokenizer))))
+
+
+if __name__ == "__main__":
+    main()
