@@ -180,7 +180,10 @@ def assert_on_tape(export: dict[str, Any], turns: list[Turn]) -> None:
         matches = [
             branch
             for branch in export["branches"]
-            if branch["tokens"][:end] == turn.prompt + turn.sampled and all(branch["loss_mask"][start:end])
+            if branch["tokens"][:end] == turn.prompt + turn.sampled
+            and all(branch["loss_mask"][start:end])
+            and not any(branch["loss_mask"][end : end + 1])  # the whole turn: what follows is not sampled
+            and not any(branch["loss_mask"][start - 1 : start])  # and it starts where sampling started
         ]
         assert matches, f"a turn of {len(turn.sampled)} sampled tokens is on no branch of the export"
         if turn.logprobs is not None:
