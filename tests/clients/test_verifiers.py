@@ -19,7 +19,7 @@ from tokentape.render.tokenizer import GGUFTokenizer
 
 pytestmark = pytest.mark.e2e
 
-VERIFIERS = ["verifiers==0.4.0", "gguf==0.19.0"]  # gguf: transformers reads the model's tokenizer from it
+VERIFIERS = ["verifiers==0.4.0", "gguf==0.19.0"]  # gguf: to read the model's vocabulary
 SCRIPT = Path(__file__).with_name("verifiers_train_client.py")
 
 

@@ -16,10 +16,29 @@ from typing import Any
 
 
 def _tokenizer_dir(gguf: Path, template: Path, work: Path) -> str:
-    """The GGUF's tokenizer as a Hugging Face directory, which verifiers' renderers load."""
-    from transformers import AutoTokenizer
+    """The GGUF's byte-level BPE vocabulary as a Hugging Face tokenizer directory, which verifiers'
+    renderers load (built with `tokenizers` from the GGUF's own tokens and merges: no model hub)."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    reader = GGUFReader(str(gguf))
+
+    def strings(name: str) -> list[str]:
+        field = reader.fields[name]
+        return [bytes(field.parts[i]).decode() for i in field.data]
+
+    tokens = strings("tokenizer.ggml.tokens")
+    kinds = reader.fields["tokenizer.ggml.token_type"]
+    control = [tokens[i] for i, at in enumerate(kinds.data) if int(kinds.parts[at][0]) == 3]
+    merges = [tuple(merge.split(" ", 1)) for merge in strings("tokenizer.ggml.merges")]
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens(control)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>")
     tokenizer.chat_template = template.read_text()
     target = work / "tokenizer"
     tokenizer.save_pretrained(str(target))
