@@ -169,3 +169,20 @@ async def test_a_response_stored_with_store_false_cannot_be_continued(http: http
         "/v1/responses", json={"model": MODEL_NAME, "input": "More", "previous_response_id": first.json()["id"]}
     )
     assert again.status_code == 404 and again.json()["error"]["code"] == "previous_response_not_found"
+
+
+async def test_tokens_as_token_ids_on_responses_and_messages(http: httpx.AsyncClient) -> None:
+    common = {"model": MODEL_NAME, "return_tokens_as_token_ids": True, "temperature": 0}
+    body = {
+        **common,
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 1,
+    }
+    reply = (await http.post("/v1/responses", json=body)).json()
+    assert [e["token"] for e in reply["output_logprobs"]] == [f"token_id:{t}" for t in reply["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for e in reply["output_logprobs"] for top in e["top_logprobs"])
+    body = {**common, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
+    message = (await http.post("/v1/messages", json=body)).json()
+    assert [e["token"] for e in message["logprobs"]] == [f"token_id:{t}" for t in message["token_ids"]]

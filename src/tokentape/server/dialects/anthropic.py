@@ -432,7 +432,8 @@ class AnthropicMessages(Dialect[MessagesRequest]):
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:
         def token_text(token_id: int) -> tuple[str, list[int]]:
             piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
-            return piece.decode("utf-8", "replace"), list(piece)
+            text = f"token_id:{token_id}" if req.return_tokens_as_token_ids else piece.decode("utf-8", "replace")
+            return text, list(piece)
 
         def stopped_by(tokens: Sequence[SampledToken], finish: FinishReason) -> tuple[str, str | None]:
             """Anthropic's stop reason, and the stop sequence that ended the reply if one did."""

@@ -551,13 +551,14 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
-        return ResponseShaper(
-            req, session_id=started.session_id, prompt=started.prompt_token_ids, token_text=self._token
-        )
+        def token_text(token_id: int) -> tuple[str, list[int]]:
+            piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
+            text = f"token_id:{token_id}" if req.return_tokens_as_token_ids else piece.decode("utf-8", "replace")
+            return text, list(piece)
 
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
-        piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
-        return piece.decode("utf-8", "replace"), list(piece)
+        return ResponseShaper(
+            req, session_id=started.session_id, prompt=started.prompt_token_ids, token_text=token_text
+        )
 
     def _remember(self, req: ResponsesRequest, shaper: ResponseShaper, started: Started, done: ChoiceDone) -> None:
         if req.store is not False:
