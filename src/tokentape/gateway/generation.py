@@ -97,12 +97,14 @@ class ChoiceRun:
         for attempt in range(ENGINE_ATTEMPTS):
             try:
                 self._on_engine_call()
+                # the constraint is passed only when there is one: engines that enforce none need not take it
+                extra = {"constraint": self.constraint} if self.constraint is not None else {}
                 generation = self.engine.generate(
                     self.prompt,
                     self.sampling,
                     seed=self.sampling.choice_seed(self.index),
                     session_id=self.session_id,
-                    constraint=self.constraint,
+                    **extra,
                 )
                 async with contextlib.aclosing(generation):
                     async for sample in generation:

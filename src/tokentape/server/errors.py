@@ -105,7 +105,7 @@ def use_error_shape(request: Request, shape: ErrorShape) -> None:
 
 def _shape_of(request: Request) -> ErrorShape:
     shape = request.scope.get(_SHAPE_KEY)
-    return shape if isinstance(shape, ErrorShape) else OPENAI_ERRORS
+    return shape if isinstance(shape, ErrorShape) else shape_for_path(request.url.path)  # before any route ran
 
 
 def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
