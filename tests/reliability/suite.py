@@ -129,7 +129,14 @@ def malformed_cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
         ),
         ("prompt beyond the context", "POST", "/v1/chat/completions", _bytes(_chat("word " * 6000)), j),
         ("bad session id", "POST", "/sessions/..%2F..%2Fetc/v1/chat/completions", _bytes(_chat()), j),
-        ("conflicting session ids", "POST", "/sessions/a/v1/chat/completions", _bytes(_chat(session_id="b")), j),
+        # a header and a body field that disagree (a base URL would win, the other kept as a trace id)
+        (
+            "conflicting session ids",
+            "POST",
+            "/v1/chat/completions",
+            _bytes(_chat(session_id="b")),
+            {**j, "X-Session-ID": "a"},
+        ),
         (
             "completion token out of vocabulary",
             "POST",
