@@ -1,0 +1,154 @@
+"""Starting a cluster of gateways on Ray, and what a trainer in the same cluster calls.
+
+    cluster = start_cluster(ClusterSettings(gateways=2, trajectory_queue="train"))
+    ... agents talk to cluster.gateway_urls (or to a front, `tokentape serve --ray`) ...
+    batch = trajectories("train").get(max_items=8, timeout=60)   # finished sessions, exported
+
+Every actor is named in the `tokentape` namespace, so any driver connected to the same Ray
+cluster finds them; the cluster lives as long as the driver that started it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tokentape.ray.actors import (
+    DIRECTORY,
+    NAMESPACE,
+    GatewayActorClass,
+    GatewaySpec,
+    RayPeers,
+    SessionDirectoryActor,
+    TrajectoryQueueActor,
+    gateway_name,
+    queue_name,
+)
+from tokentape.ray.routing import OwnerRouting
+from tokentape.runtime import RuntimeSettings
+
+__all__ = ["ClusterSettings", "Cluster", "connect", "start_cluster", "front_app", "trajectories", "TrajectoryReader"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    gateways: int = 2
+    host: str = "127.0.0.1"  # gateways bind here; 0.0.0.0 to serve other machines
+    first_port: int = 8001  # gateway i serves on first_port + i
+    store_dir: str = "tokentape-shards"  # on each node: gateway-<i>.sqlite3
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    model_id: str | None = None
+    trajectory_queue: str | None = None  # a queue name: finished sessions are handed to it
+    queue_capacity: int = 1024
+
+
+def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
+    """Join (or with "local", start) a Ray cluster. A local cluster stays on loopback."""
+    if ray.is_initialized():
+        return
+    options: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False, "logging_level": "warning"}
+    if address == "local":
+        options.update(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus)
+    else:
+        options["address"] = address
+    ray.init(**options)
+
+
+@dataclass(slots=True)
+class Cluster:
+    settings: ClusterSettings
+    directory: Any
+    gateways: list[Any]
+    queue: Any | None
+
+    @property
+    def gateway_urls(self) -> dict[int, str]:
+        urls: dict[int, str] = ray.get(self.directory.gateways.remote())
+        return urls
+
+    def describe(self) -> list[dict[str, Any]]:
+        described: list[dict[str, Any]] = ray.get([g.describe.remote() for g in self.gateways])
+        return described
+
+    def stop(self) -> None:
+        for actor in [*self.gateways, self.directory, *([self.queue] if self.queue is not None else [])]:
+            ray.kill(actor, no_restart=True)
+
+
+def _public_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return address
+    return host
+
+
+def start_cluster(settings: ClusterSettings) -> Cluster:
+    """The directory, the queue (if named) and `settings.gateways` gateway actors, spread over the
+    cluster's nodes and pinned there (a gateway restarts beside its shard)."""
+    directory = SessionDirectoryActor.options(
+        name=DIRECTORY, namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+    ).remote()
+    queue = None
+    if settings.trajectory_queue:
+        queue = TrajectoryQueueActor.options(
+            name=queue_name(settings.trajectory_queue), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+        ).remote(settings.queue_capacity)
+    nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])  # type: ignore[no-untyped-call]
+    gateways = []
+    for index in range(settings.gateways):
+        spec = GatewaySpec(
+            index=index,
+            host=settings.host,
+            port=settings.first_port + index,
+            shard=str(Path(settings.store_dir).absolute() / f"gateway-{index}.sqlite3"),
+            runtime=settings.runtime,
+            model_id=settings.model_id,
+            trajectory_queue=settings.trajectory_queue,
+        )
+        gateways.append(
+            GatewayActorClass.options(
+                name=gateway_name(index),
+                namespace=NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
+            ).remote(spec)
+        )
+    ray.get([g.describe.remote() for g in gateways])  # every gateway serving and joined
+    return Cluster(settings, directory, gateways, queue)
+
+
+def front_app() -> OwnerRouting:
+    """The HTTP API of a process that owns no session: every request goes to its owner."""
+    return OwnerRouting(None, RayPeers(None))
+
+
+class TrajectoryReader:
+    """A trainer's end of a trajectory queue."""
+
+    def __init__(self, name: str = "default") -> None:
+        self.queue = ray.get_actor(queue_name(name), namespace=NAMESPACE)
+
+    def get(self, max_items: int = 1, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Up to `max_items` finished sessions, each as its export; [] if none came within `timeout`."""
+        batch: list[dict[str, Any]] = ray.get(self.queue.get.remote(max_items, timeout))
+        return batch
+
+    async def get_async(self, max_items: int = 1, timeout: float | None = None) -> list[dict[str, Any]]:
+        batch: list[dict[str, Any]] = await self.queue.get.remote(max_items, timeout)
+        return batch
+
+    def size(self) -> dict[str, int]:
+        return dict(ray.get(self.queue.size.remote()))
+
+
+def trajectories(name: str = "default") -> TrajectoryReader:
+    return TrajectoryReader(name)
+
+
+def with_runtime(settings: ClusterSettings, **changes: Any) -> ClusterSettings:
+    return dataclasses.replace(settings, runtime=dataclasses.replace(settings.runtime, **changes))
