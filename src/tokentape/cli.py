@@ -76,6 +76,22 @@ def serve(
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run gateways as Ray actors: 'local' (a single-machine Ray on loopback), 'auto' (the cluster "
+            "this machine joined with `ray start`) or a Ray address. This process then serves the same API "
+            "on --port and hands each request to the gateway that owns its session."
+        ),
+    ] = None,
+    gateways: Annotated[int, typer.Option(help="With --ray: gateway actors (gateway i serves on --port + 1 + i).")] = 2,
+    store_dir: Annotated[
+        str, typer.Option(help="With --ray: where each gateway keeps its store shard on its node.")
+    ] = "tokentape-shards",
+    trajectory_queue: Annotated[
+        str | None,
+        typer.Option(help="With --ray: hand every finished session to this queue (tokentape.ray.trajectories)."),
+    ] = None,
 ) -> None:
     """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
     import os
@@ -102,6 +118,20 @@ def serve(
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
     guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
+    if ray is not None:
+        from tokentape.ray.cluster import ClusterSettings, serve_cluster
+
+        cluster = ClusterSettings(
+            gateways=gateways,
+            host=host,
+            first_port=port + 1,
+            store_dir=store_dir,
+            runtime=settings,
+            model_id=served_model_name,
+            trajectory_queue=trajectory_queue,
+        )
+        serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
+        return
     gateway, name = build_gateway(settings)
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "

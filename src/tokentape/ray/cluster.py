@@ -10,7 +10,6 @@ cluster finds them; the cluster lives as long as the driver that started it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,16 @@ from tokentape.ray.actors import (
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
 
-__all__ = ["ClusterSettings", "Cluster", "connect", "start_cluster", "front_app", "trajectories", "TrajectoryReader"]
+__all__ = [
+    "ClusterSettings",
+    "Cluster",
+    "connect",
+    "start_cluster",
+    "front_app",
+    "serve_cluster",
+    "trajectories",
+    "TrajectoryReader",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,5 +158,17 @@ def trajectories(name: str = "default") -> TrajectoryReader:
     return TrajectoryReader(name)
 
 
-def with_runtime(settings: ClusterSettings, **changes: Any) -> ClusterSettings:
-    return dataclasses.replace(settings, runtime=dataclasses.replace(settings.runtime, **changes))
+def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_level: str = "info") -> None:
+    """`tokentape serve --ray`: start the cluster, serve the front API on `port` until stopped."""
+    import uvicorn
+
+    connect(address)
+    cluster = start_cluster(settings)
+    urls = ", ".join(cluster.gateway_urls.values())
+    print(
+        f"tokentape: {settings.gateways} gateways on Ray ({urls}); front at http://{settings.host}:{port}", flush=True
+    )
+    try:
+        uvicorn.run(front_app(), host=settings.host, port=port, log_level=log_level)
+    finally:
+        cluster.stop()
