@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import ray
 
 from tests.ray.conftest import free_port_block
 
@@ -58,6 +59,7 @@ def cluster(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             runtime=RuntimeSettings(context_length=2048, threads=1),
             trajectory_queue="test",
             queue_capacity=64,
+            engine_actors=2,
         )
     )
     front = Front(first)
@@ -117,6 +119,10 @@ def test_sessions_spread_and_every_export_is_exact(cluster: dict[str, Any]) -> N
         owner = c["base_url"].split("/sessions/")[0]
         exported = httpx.get(f"{owner}/sessions/{c['session_id']}/export").json()
         _check_exact(exported, seen)
+    # the engines are shared: sessions of both gateways spread over both engine actors, and stay
+    engines = ray.get(cluster["cluster"].registry.describe.remote())
+    assert sorted(engines["sessions"].values()) == [2, 2] and engines["moves"] == 0
+    assert sum(engines["in_flight"].values()) == 0
     # any gateway (and the front) gathers every shard
     for url in [front, *gateways.values()]:
         listed = {row["session_id"] for row in httpx.get(f"{url}/export", params={"prefix": "spread-"}).json()["data"]}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokentape.ray.placement import SessionPlacement
+from tokentape.ray.placement import EngineBook, SessionPlacement
 
 
 def _placement(gateways: int) -> SessionPlacement:
@@ -46,3 +46,23 @@ def test_a_placement_learnt_from_a_shard_counts_once() -> None:
     assert placement.load() == {0: 0, 1: 0}
     placement.forget("old")
     assert placement.owner("old") is None
+
+
+def test_engines_take_sessions_by_load_then_keep_them() -> None:
+    book = EngineBook()
+    engines = ["a", "b"]
+    assert [book.acquire(f"s{i}", engines) for i in range(4)] == ["a", "b", "a", "b"]  # none in flight
+    for _ in range(3):
+        assert book.acquire("s1", engines) == "b"  # sticky, although b is now busier
+    assert book.in_flight == {"a": 2, "b": 5}
+    assert book.acquire("new", engines) == "a"  # least in flight
+    book.release("b")
+    assert book.in_flight["b"] == 4
+
+
+def test_a_session_moves_only_when_its_engine_is_not_usable() -> None:
+    book = EngineBook()
+    assert book.acquire("s", ["a", "b"]) == "a"
+    assert book.acquire("s", ["b"]) == "b"  # a is unhealthy or draining
+    assert book.moves == 1
+    assert book.sessions == {"a": 0, "b": 1}

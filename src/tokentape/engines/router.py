@@ -99,10 +99,17 @@ class Router:
     def _slot(self, engine: RemoteEngine) -> asyncio.Semaphore:
         return self._slots.setdefault(engine.base_url, asyncio.Semaphore(self.max_in_flight))
 
+    async def acquire(self, session_id: str | None) -> RemoteEngine:
+        """The engine for one generation (placement decided here; a shared registry may decide)."""
+        return self.place(session_id)
+
+    async def release(self, engine: RemoteEngine) -> None:
+        """The generation placed on `engine` is over."""
+
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
     ) -> AsyncGenerator[SampledToken, None]:
-        engine = self.place(session_id)
+        engine = await self.acquire(session_id)
         engine.in_flight += 1  # counted while queued too, so placement sees the real load
         try:
             async with self._slot(engine):
@@ -119,6 +126,7 @@ class Router:
                     raise
         finally:
             engine.in_flight -= 1
+            await self.release(engine)
 
     # -- health ------------------------------------------------------------------------------------
     async def check_health(self) -> None:

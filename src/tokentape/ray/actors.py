@@ -153,6 +153,7 @@ class GatewaySpec:
     runtime: RuntimeSettings
     model_id: str | None = None
     trajectory_queue: str | None = None  # hand finished sessions to this queue
+    engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
 
 
 class GatewayActor:
@@ -167,7 +168,14 @@ class GatewayActor:
 
         self.spec = spec
         Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
-        gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard))
+        from tokentape.engines.remote import make_engine
+        from tokentape.ray.engines import ENGINE_REGISTRY, ActorEngine, SharedRouter, engine_actor_name
+
+        engines = [make_engine(s) for s in spec.runtime.engines] or [
+            ActorEngine(engine_actor_name(i)) for i in range(spec.engine_actors)
+        ]
+        router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
+        gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
         self.gateway = gateway
         self.app = create_app(gateway, model_id=spec.model_id or name, close_store_on_shutdown=True)
         self.peers = RayPeers(spec.index)

@@ -28,6 +28,7 @@ from tokentape.ray.actors import (
     gateway_name,
     queue_name,
 )
+from tokentape.ray.engines import ENGINE_REGISTRY, EmbeddedEngineActor, EngineRegistryActor, engine_actor_name
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
 
@@ -53,6 +54,7 @@ class ClusterSettings:
     model_id: str | None = None
     trajectory_queue: str | None = None  # a queue name: finished sessions are handed to it
     queue_capacity: int = 1024
+    engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -73,6 +75,8 @@ class Cluster:
     directory: Any
     gateways: list[Any]
     queue: Any | None
+    registry: Any
+    engines: list[Any]
 
     @property
     def gateway_urls(self) -> dict[int, str]:
@@ -84,7 +88,8 @@ class Cluster:
         return described
 
     def stop(self) -> None:
-        for actor in [*self.gateways, self.directory, *([self.queue] if self.queue is not None else [])]:
+        queue = [self.queue] if self.queue is not None else []
+        for actor in [*self.gateways, *self.engines, self.directory, self.registry, *queue]:
             ray.kill(actor, no_restart=True)
 
 
@@ -107,6 +112,20 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             name=queue_name(settings.trajectory_queue), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
         ).remote(settings.queue_capacity)
     nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])  # type: ignore[no-untyped-call]
+    registry = EngineRegistryActor.options(
+        name=ENGINE_REGISTRY, namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+    ).remote()
+    engine_actors = [] if settings.runtime.engines else list(range(settings.engine_actors))
+    engines = [
+        EmbeddedEngineActor.options(
+            name=engine_actor_name(index),
+            namespace=NAMESPACE,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
+        ).remote(settings.runtime)
+        for index in engine_actors
+    ]
+    ray.get([engine.info.remote() for engine in engines])
     gateways = []
     for index in range(settings.gateways):
         spec = GatewaySpec(
@@ -117,6 +136,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             runtime=settings.runtime,
             model_id=settings.model_id,
             trajectory_queue=settings.trajectory_queue,
+            engine_actors=len(engine_actors),
         )
         gateways.append(
             GatewayActorClass.options(
@@ -127,7 +147,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             ).remote(spec)
         )
     ray.get([g.describe.remote() for g in gateways])  # every gateway serving and joined
-    return Cluster(settings, directory, gateways, queue)
+    return Cluster(settings, directory, gateways, queue, registry, engines)
 
 
 def front_app() -> OwnerRouting:

@@ -8,10 +8,12 @@ export (Atropos) never has to be stitched together from several shards.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-__all__ = ["SessionPlacement"]
+__all__ = ["EngineBook", "SessionPlacement"]
+
+STICKY_SESSIONS_KEPT = 100_000  # engine affinity is a hint: losing an old entry costs a cache miss
 
 
 @dataclass(slots=True)
@@ -68,3 +70,40 @@ class SessionPlacement:
 
     def sessions_of(self, index: int) -> int:
         return sum(1 for owner in self._owner.values() if owner == index)
+
+
+@dataclass(slots=True)
+class EngineBook:
+    """Engines shared by every gateway: requests in flight on each, cluster-wide, and the engine
+    each session last used (its prefix cache holds the session's history)."""
+
+    in_flight: Counter[str] = field(default_factory=Counter)
+    sessions: Counter[str] = field(default_factory=Counter)  # sessions whose last turn ran there
+    _sticky: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    moves: int = 0  # sessions that changed engine because theirs was not usable
+
+    def acquire(self, session_id: str | None, usable: list[str]) -> str:
+        """The engine for one generation among `usable` (healthy, not draining, as the asking
+        gateway sees them): the session's own if usable, else the least loaded."""
+        if not usable:
+            raise LookupError("no usable engine")
+        placed = self._sticky.get(session_id) if session_id else None
+        if placed is not None and placed in usable:
+            chosen = placed
+            self._sticky.move_to_end(session_id)  # type: ignore[arg-type]
+        else:  # least in flight; among equals, the one holding fewest sessions
+            chosen = min(usable, key=lambda name: (self.in_flight[name], self.sessions[name], usable.index(name)))
+            if session_id:
+                if placed is not None:
+                    self.moves += 1
+                    self.sessions[placed] -= 1
+                self._sticky[session_id] = chosen
+                self.sessions[chosen] += 1
+                while len(self._sticky) > STICKY_SESSIONS_KEPT:
+                    self.sessions[self._sticky.popitem(last=False)[1]] -= 1
+        self.in_flight[chosen] += 1
+        return chosen
+
+    def release(self, name: str) -> None:
+        if self.in_flight[name] > 0:
+            self.in_flight[name] -= 1
