@@ -151,6 +151,44 @@ def serve(
 
 
 @app.command()
+def status(
+    address: Annotated[
+        str, typer.Option(help="The Ray cluster to look at (as given to `ray start` / serve --ray).")
+    ] = ("auto"),
+) -> None:
+    """The cluster started by `tokentape serve --ray`: gateways, engines, sessions, load, queues."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokentape.ray.cluster import cluster_status, connect
+
+    connect(address)
+    state = cluster_status()
+    console = Console()
+    gateways = Table("gateway", "url", "node", "open sessions", "in memory", "requests active", "engine calls")
+    for g in state["gateways"]:
+        gateways.add_row(
+            str(g["index"]),
+            g["url"],
+            g["node"][:12],
+            str(g["open_sessions"]),
+            str(g["sessions_in_memory"]),
+            str(g["requests_active"]),
+            str(g["engine_calls"]),
+        )
+    console.print(gateways)
+    engines = Table("engine", "in flight", "sessions")
+    for name, flying in sorted(state["engines"]["in_flight"].items()):
+        engines.add_row(name, str(flying), str(state["engines"]["sessions"].get(name, 0)))
+    console.print(engines)
+    if state["queues"]:
+        queues = Table("trajectory queue", "waiting", "capacity", "taken")
+        for name, size in sorted(state["queues"].items()):
+            queues.add_row(name, str(size["waiting"]), str(size["capacity"]), str(size["taken"]))
+        console.print(queues)
+
+
+@app.command()
 def demo(
     episodes: Annotated[int, typer.Option(min=4, help="Episodes to run (at least 4: one of each kind).")] = 4,
     out: Annotated[Path, typer.Option(help="Folder for the exported sessions.")] = Path("runs/demo"),

@@ -233,3 +233,19 @@ def test_the_trajectory_queue_hands_over_every_finished_session_once(cluster: di
         got += batch
     handed = [row["session_id"] for row in got if row["session_id"].startswith("finished-")]
     assert sorted(handed) == ids
+
+
+def test_status_counts_what_the_shards_hold(cluster: dict[str, Any]) -> None:
+    from typer.testing import CliRunner
+
+    from tokentape.cli import app
+    from tokentape.ray.cluster import cluster_status
+
+    listed = httpx.get(f"{cluster['front']}/sessions").json()["data"]
+    state = cluster_status()
+    assert [g["url"] for g in state["gateways"]] == list(cluster["gateways"].values())
+    assert sum(g["open_sessions"] for g in state["gateways"]) == sum(not s["finished"] for s in listed)
+    assert state["queues"]["test"]["capacity"] == 64
+    shown = CliRunner().invoke(app, ["status"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert all(url in shown.output for url in cluster["gateways"].values())

@@ -35,6 +35,7 @@ from tokentape.runtime import RuntimeSettings
 __all__ = [
     "ClusterSettings",
     "Cluster",
+    "cluster_status",
     "connect",
     "start_cluster",
     "front_app",
@@ -80,8 +81,7 @@ class Cluster:
 
     @property
     def gateway_urls(self) -> dict[int, str]:
-        urls: dict[int, str] = ray.get(self.directory.gateways.remote())
-        return urls
+        return dict(ray.get(self.directory.gateways.remote()))
 
     def describe(self) -> list[dict[str, Any]]:
         described: list[dict[str, Any]] = ray.get([g.describe.remote() for g in self.gateways])
@@ -176,6 +176,28 @@ class TrajectoryReader:
 
 def trajectories(name: str = "default") -> TrajectoryReader:
     return TrajectoryReader(name)
+
+
+def cluster_status() -> dict[str, Any]:
+    """Gateways, engines and trajectory queues of the cluster this process is connected to."""
+    from tokentape.ray.actors import queue_name
+
+    directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+    urls: dict[int, str] = dict(ray.get(directory.gateways.remote()))
+    load: dict[int, int] = dict(ray.get(directory.load.remote()))
+    gateways = ray.get([ray.get_actor(gateway_name(i), namespace=NAMESPACE).describe.remote() for i in sorted(urls)])
+    for described in gateways:
+        described["open_sessions"] = load.get(described["index"], 0)
+    registry = ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE)
+    engines: dict[str, Any] = ray.get(registry.describe.remote())
+    prefix = queue_name("")
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    queues = {
+        name.removeprefix(prefix): ray.get(ray.get_actor(name, namespace=NAMESPACE).size.remote())
+        for name in named
+        if name.startswith(prefix)
+    }
+    return {"gateways": gateways, "engines": engines, "queues": queues}
 
 
 def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_level: str = "info") -> None:
