@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,12 @@ class GatewayActor:
         self.url = f"http://{spec.host}:{spec.port}"
         config = uvicorn.Config(self.routing, host=spec.host, port=spec.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
-        self._serving = asyncio.get_running_loop().create_task(self.server.serve())
+        # Bound here, so a port in use fails this constructor with a clear error (uvicorn would exit
+        # the actor's event loop instead).
+        listener = socket.socket(socket.AF_INET6 if ":" in spec.host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((spec.host, spec.port))
+        self._serving = asyncio.get_running_loop().create_task(self.server.serve(sockets=[listener]))
         while not self.server.started:
             if self._serving.done():
                 raise RuntimeError(f"gateway {spec.index} could not serve on {self.url}")

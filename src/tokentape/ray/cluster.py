@@ -10,6 +10,7 @@ cluster finds them; the cluster lives as long as the driver that started it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,22 @@ class Cluster:
         described: list[dict[str, Any]] = ray.get([g.describe.remote() for g in self.gateways])
         return described
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Kill every actor of the cluster and wait until their names are free again."""
         queue = [self.queue] if self.queue is not None else []
         for actor in [*self.gateways, *self.engines, self.directory, self.registry, *queue]:
             ray.kill(actor, no_restart=True)
+        names = [DIRECTORY, ENGINE_REGISTRY, *(gateway_name(i) for i in range(len(self.gateways)))]
+        names += [engine_actor_name(i) for i in range(len(self.engines))]
+        names += [queue_name(self.settings.trajectory_queue)] if self.settings.trajectory_queue else []
+        deadline = time.monotonic() + timeout
+        for name in names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                time.sleep(0.05)
 
 
 def _public_host(host: str) -> str:
