@@ -45,16 +45,18 @@ unit: setup browser  ## the tests alone
 
 # Ray looks up its node address by "connecting" toward a public address even when pinned to
 # loopback: as root its tests run in a network namespace that has only `lo`; elsewhere they skip.
+on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up && RAY_AUTH_MODE=disabled $(1)'; else $(1); fi
+
 ray-tests: setup  ## the Ray cluster tests, on loopback only
-	if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
-		unshare -n sh -c 'ip link set lo up && RAY_AUTH_MODE=disabled $(PY) -m pytest tests/ray'; \
-	else $(PY) -m pytest tests/ray; fi
+	$(call on_loopback,$(PY) -m pytest tests/ray)
 
 test: lint typecheck unit  ## everything CI runs
 
 bench: setup  ## per-turn cost against history length; gateway overhead against calling the engine directly
 	$(PY) benchmarks/turn_cost.py
 	$(PY) benchmarks/overhead.py
+	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
