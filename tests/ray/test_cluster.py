@@ -165,6 +165,35 @@ def test_a_request_naming_its_session_by_header_or_body_reaches_the_owner(cluste
     assert httpx.get(f"{other}/export", params={"prefix": "named-elsewhere"}).json()["data"]
 
 
+def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generation(cluster: dict[str, Any]) -> None:
+    front, gateways = cluster["front"], cluster["gateways"]
+    created = httpx.post(f"{front}/sessions", json={"session_id": "left-early"}).json()
+    owner = created["base_url"].split("/sessions/")[0]
+    (other,) = [url for url in gateways.values() if url != owner]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count from 1 to 500, separated by commas."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{other}/v1/chat/completions", json=body, headers={"X-Session-ID": "left-early"}, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]  # a few events, then the client hangs up
+    assert any(line.startswith("data: {") for line in received)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        (branch,) = httpx.get(f"{owner}/sessions/left-early/export").json()["branches"] or [None]
+        if branch is not None:
+            break
+        time.sleep(0.5)
+    assert branch is not None, "the aborted turn was recorded"
+    assert branch["finish_reasons"] == ["abort"]
+    assert sum(branch["loss_mask"]) < 400
+
+
 def test_a_killed_gateway_loses_no_acknowledged_turn_and_its_sessions_go_on(cluster: dict[str, Any]) -> None:
     started, front = cluster["cluster"], cluster["front"]
     created = [httpx.post(f"{front}/sessions", json={"session_id": f"survivor-{i}"}).json() for i in range(4)]

@@ -84,9 +84,9 @@ class Cluster:
     def gateway_urls(self) -> dict[int, str]:
         return dict(ray.get(self.directory.gateways.remote()))
 
-    def describe(self) -> list[dict[str, Any]]:
-        described: list[dict[str, Any]] = ray.get([g.describe.remote() for g in self.gateways])
-        return described
+    def describe(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Each gateway's state; a gateway that is restarting is waited for."""
+        return [_when_up(lambda g=gateway: g.describe.remote(), timeout) for gateway in self.gateways]
 
     def stop(self, timeout: float = 30.0) -> None:
         """Kill every actor of the cluster and wait until their names are free again."""
@@ -104,6 +104,17 @@ class Cluster:
                 except ValueError:
                     break
                 time.sleep(0.05)
+
+
+def _when_up(call: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(call())
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _public_host(host: str) -> str:

@@ -9,6 +9,8 @@ agent may talk to any gateway. `GET /sessions` and `GET /export` gather every ga
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -102,6 +104,7 @@ class OwnerRouting:
         self.app = app  # None in the front process
         self.peers = peers
         self.on_finish = on_finish
+        self._background: set[asyncio.Task[None]] = set()
 
     async def __call__(
         self,
@@ -122,17 +125,28 @@ class OwnerRouting:
             return
         request = HttpRequest.from_scope(scope, body)
         parts = self.route(request)
-        try:
+
+        async def respond() -> None:
             async for part in parts:
                 if isinstance(part, ResponseStart):
                     await send({"type": "http.response.start", "status": part.status, "headers": list(part.headers)})
                 else:
                     await send({"type": "http.response.body", "body": part, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away mid-response; closing `parts` stops the work
-            pass
+
+        async def client_left() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        responding, watching = asyncio.create_task(respond()), asyncio.create_task(client_left())
+        try:
+            await asyncio.wait({responding, watching}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await parts.aclose()  # type: ignore[attr-defined]
+            for task in (responding, watching):
+                task.cancel()  # the client left: stop relaying
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await responding
+            await parts.aclose()  # type: ignore[attr-defined]  # the owner's app sees the disconnect
 
     async def route(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         if request.method == "GET" and request.path in ("/sessions", "/export"):
@@ -163,16 +177,27 @@ class OwnerRouting:
     async def local(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         """This gateway's own answer (also what a forwarded request runs)."""
         assert self.app is not None, "the front process owns no session"
-        status = 0
-        async for part in run_app(self.app, request):
-            if isinstance(part, ResponseStart):
-                status = part.status
-            yield part
         match = _SESSION_PATH.match(request.path)
-        if status == 200 and match and match.group(2) == "/finish" and request.method == "POST":
-            await self.peers.finished(match.group(1))
-            if self.on_finish is not None:
-                await self.on_finish(match.group(1))
+        if not (request.method == "POST" and match and match.group(2) == "/finish"):
+            async for part in run_app(self.app, request):
+                yield part
+            return
+        # A finish is answered only once the session is handed over (back-pressure from a full
+        # queue reaches the finishing client), and the hand-off runs to its end even if that
+        # client leaves: the session is finished either way.
+        start, body = await collect(run_app(self.app, request))
+        if start.status == 200:
+            handing = asyncio.get_running_loop().create_task(self._finished(match.group(1)))
+            self._background.add(handing)  # the loop keeps only a weak reference to a task
+            handing.add_done_callback(self._background.discard)
+            await asyncio.shield(handing)
+        yield start
+        yield body
+
+    async def _finished(self, session_id: str) -> None:
+        await self.peers.finished(session_id)
+        if self.on_finish is not None:
+            await self.on_finish(session_id)
 
     async def _create(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         try:
