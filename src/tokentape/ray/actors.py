@@ -178,7 +178,7 @@ class GatewayActor:
         router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
         self.gateway = gateway
-        self.app = create_app(gateway, model_id=spec.model_id or name, close_store_on_shutdown=True)
+        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True)
         self.peers = RayPeers(spec.index)
         self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
         self.url = f"http://{spec.host}:{spec.port}"
@@ -217,9 +217,9 @@ class GatewayActor:
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "shard": self.spec.shard,
-            "sessions_in_memory": len(self.gateway.sessions),
-            "requests_active": self.gateway.active,
-            "engine_calls": self.gateway.engine_calls,
+            "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
+            "requests_active": stats.requests_admitted,
+            "engine_calls": stats.engine_calls,
         }
 
     async def _export(self, session_id: str) -> dict[str, Any] | None:
