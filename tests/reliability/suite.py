@@ -129,7 +129,13 @@ def malformed_cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
         ),
         ("prompt beyond the context", "POST", "/v1/chat/completions", _bytes(_chat("word " * 6000)), j),
         ("bad session id", "POST", "/sessions/..%2F..%2Fetc/v1/chat/completions", _bytes(_chat()), j),
-        ("conflicting session ids", "POST", "/sessions/a/v1/chat/completions", _bytes(_chat(session_id="b")), j),
+        (
+            "conflicting session ids",
+            "POST",
+            "/v1/chat/completions",
+            _bytes(_chat(session_id="b")),
+            {**j, "x-session-id": "a"},
+        ),
         (
             "completion token out of vocabulary",
             "POST",

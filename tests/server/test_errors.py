@@ -123,8 +123,8 @@ async def test_unknown_routes_methods_and_sessions_are_openai_errors(http: httpx
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_conflicting_session_names_are_rejected(http: httpx.AsyncClient) -> None:
-    response = await http.post("/sessions/a/v1/chat/completions", json=GOOD, headers={"X-Session-ID": "b"})
+async def test_a_header_and_a_body_field_naming_different_sessions_are_rejected(http: httpx.AsyncClient) -> None:
+    response = await http.post("/v1/chat/completions", json={**GOOD, "session_id": "b"}, headers={"X-Session-ID": "a"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "session_id"
     assert (await http.get("/sessions")).json()["data"] == []

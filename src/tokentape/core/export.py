@@ -1,8 +1,10 @@
 """The session export: every branch as per-token lists of equal length, exact to the token.
 
-Logprobs are the engine's sampling logprobs of sampled tokens, computed from logits divided by the
-sampling temperature, before top-p/top-k/min-p truncation (what a trainer recomputes for its
-importance ratio). Prompt and bridge positions carry null, never a placeholder number.
+Logprobs are the values the engine reported for the tokens it sampled; prompt and bridge positions
+carry null, never a placeholder number. `logprob_mode` names the embedded engine's convention (logits
+divided by the sampling temperature, before top-p/top-k/min-p truncation: what a trainer recomputes
+for its importance ratio) and is stamped on every export: turns sampled by a remote engine carry
+whatever that engine reports (vLLM: its `--logprobs-mode`), which this field does not tell apart.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "rewrites": [node.rewrite.as_dict() for node in branch.nodes if node.rewrite is not None],
         "turn_ids": [node.id for node in branch.nodes],
         "policy_versions": [node.policy_version for node in branch.nodes],
+        "trace_ids": [node.trace_id for node in branch.nodes],  # a second session name the client sent
     }
 
 

@@ -74,7 +74,7 @@ def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
 
 
 class SessionTree:
-    """The recorded turns of one session. Append-only: nodes are added, never changed."""
+    """The recorded turns of one session. Append-only: nodes are added, never removed or edited."""
 
     def __init__(self, session_id: str, policy: RewritePolicy = "tape", *, created_at: float = 0.0) -> None:
         self.session_id = session_id
@@ -146,6 +146,8 @@ class SessionTree:
         prompt_length: int,
         reply: Message,
         request_key: bytes | None = None,
+        request: int | None = None,
+        trace_id: str | None = None,
         policy_version: str | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
@@ -165,6 +167,8 @@ class SessionTree:
             reply=dict(reply),
             rewrite=turn.rewrite,
             request_key=request_key,
+            request=request,
+            trace_id=trace_id,
             policy_version=policy_version,
         )
         self.restore(node)
@@ -182,9 +186,17 @@ class SessionTree:
         if node.rewrite is not None and (not self.rewrites or self.rewrites[-1] != node.rewrite):
             self.rewrites.append(node.rewrite)
 
-    def turns_for_request(self, request_key: bytes) -> list[TurnNode]:
-        """The turns (one per choice) a request produced."""
-        return [node for node in self.nodes if node.request_key == request_key]
+    def turns_of_request(self, request: int) -> list[TurnNode]:
+        """The turns (one per choice) the session's request number `request` produced."""
+        return [node for node in self.nodes if node.request == request]
+
+    def latest_requests(self) -> dict[bytes, int]:
+        """For each request key, the number of the latest request with that key that made a turn."""
+        latest: dict[bytes, int] = {}
+        for node in self.nodes:
+            if node.request_key is not None and node.request is not None:
+                latest[node.request_key] = max(node.request, latest.get(node.request_key, 0))
+        return latest
 
     def fork_point(self, branch_end: TurnNode, tokens: Sequence[int]) -> tuple[TurnNode | None, int]:
         """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens)."""

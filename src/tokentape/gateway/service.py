@@ -56,6 +56,7 @@ __all__ = [
 class GatewayStats:
     sessions_in_memory: int
     requests_admitted: int  # requests holding an admission slot now
+    retries_waiting: int  # SDK retries waiting for the request they repeat to finish
     engine_calls: int  # generations started since the gateway started
     paused: bool
     policy_version: str | None
@@ -100,6 +101,7 @@ class Gateway:
         return GatewayStats(
             sessions_in_memory=len(self.sessions),
             requests_admitted=self.admission.admitted,
+            retries_waiting=self.sessions.retries_waiting,
             engine_calls=self.engine_calls,
             paused=self.paused,
             policy_version=self.policy_version,
@@ -185,7 +187,7 @@ class Gateway:
             session.requests += 1
             yield Started(session.id, plan.prompt)
             for index in range(call.sampling.n):
-                async for event in self._choice(ticket, plan, call.sampling, index):
+                async for event in self._choice(ticket, plan, call.sampling, index, call.trace_id):
                     yield event
 
     def _ticket(self, call: Call) -> Ticket:
@@ -225,14 +227,13 @@ class Gateway:
         One request, one turn per choice: a retry never samples again. Only turns that reached the
         store are replayed.
         """
-        key = ticket.key
-        if key is None:
+        request = await ticket.first_attempt()
+        if request is None:
             return None
-        await ticket.first_attempt()
         session = ticket.session
         nodes = [
             n
-            for n in session.tree.turns_for_request(key)
+            for n in session.tree.turns_of_request(request)
             if n.finish_reason != "abort" and n.id not in session.unstored
         ]
         if not nodes:
@@ -250,7 +251,9 @@ class Gateway:
         return events
 
     # -- one choice ------------------------------------------------------------------------------------
-    async def _choice(self, ticket: Ticket, plan: Plan, sampling: SamplingParams, index: int) -> AsyncIterator[Event]:
+    async def _choice(
+        self, ticket: Ticket, plan: Plan, sampling: SamplingParams, index: int, trace_id: str | None
+    ) -> AsyncIterator[Event]:
         session: Session = ticket.session
         await self._running.wait()  # a weight update is in progress: wait, do not fail
         epoch, version = self._abort_epoch, self.policy_version
@@ -282,6 +285,8 @@ class Gateway:
                     prompt_length=plan.prompt_length,
                     reply=run.partial_reply().message(),
                     request_key=ticket.key,
+                    request=ticket.request,
+                    trace_id=trace_id,
                     policy_version=version,
                 )
                 write = ticket.write(node)

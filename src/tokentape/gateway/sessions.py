@@ -58,7 +58,14 @@ class Session:
     in_flight: int = 0  # requests holding a ticket now; a session is never evicted while one runs
     last_used: float = field(default_factory=time.monotonic)
     claims: dict[bytes, Claim] = field(default_factory=dict)  # request key -> its latest running request
+    latest: dict[bytes, int] = field(default_factory=dict)  # request key -> its latest request number
     unstored: set[int] = field(default_factory=set)  # turns whose write failed: never acknowledged or replayed
+
+    @classmethod
+    def restored(cls, tree: SessionTree) -> Session:
+        """A session reloaded from the store: request numbers and retry keys as its turns recorded them."""
+        numbers = {node.request for node in tree.nodes if node.request is not None}
+        return cls(tree, requests=len(numbers), numbered=max(numbers, default=0), latest=tree.latest_requests())
 
     @property
     def id(self) -> str:
@@ -100,6 +107,7 @@ class SessionRegistry:
         self.limits = limits
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
+        self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
 
@@ -120,13 +128,13 @@ class SessionRegistry:
             tree = self.store.load(session_id)
             if tree is None:
                 return None
-            session = Session(tree)
+            session = Session.restored(tree)
             self._sessions[session_id] = session
         session.last_used = time.monotonic()
         return session
 
     def get(self, session_id: str) -> Session:
-        session = self._load(session_id)
+        session = self._load(check_session_id(session_id))
         if session is None:
             raise NotFound(f"no session {session_id!r}", param="session_id", code="session_not_found")
         return session
@@ -146,7 +154,7 @@ class SessionRegistry:
         return session
 
     def exists(self, session_id: str) -> bool:
-        return self._load(session_id) is not None
+        return self._load(check_session_id(session_id)) is not None
 
     def discard(self, session_id: str) -> None:
         """Forget a session that was never written (the requests that opened it recorded nothing)."""
@@ -173,7 +181,7 @@ class SessionRegistry:
             if session_id not in self._sessions:
                 tree = self.store.load(session_id)
                 if tree is not None:
-                    listed.append(Session(tree))
+                    listed.append(Session.restored(tree))
         return listed
 
     def _evict(self) -> None:

@@ -102,14 +102,18 @@ class Ticket:
 
     # -- the steps of a request, in order ----------------------------------------------------------
     async def first_attempt(self) -> int | None:
-        """For a retry: the request it repeats (the latest with its key), once that has finished."""
+        """For a retry: the number of the request it repeats (the latest with its key), once that
+        request has finished and its turns are written; None if there is none."""
         if self.key is None:
             return None
         running = self.session.claims.get(self.key)
         if running is not None:
-            await asyncio.shield(running.done)
-            return running.request
-        return None
+            self.sessions.retries_waiting += 1
+            try:
+                await asyncio.shield(running.done)
+            finally:
+                self.sessions.retries_waiting -= 1
+        return self.session.latest.get(self.key)
 
     def claim(self) -> None:
         """Number the request, claim its key, admit it, count it in flight."""
@@ -119,6 +123,7 @@ class Ticket:
         if self.key is not None:
             self._claim = Claim(self.request, asyncio.get_running_loop().create_future())
             session.claims[self.key] = self._claim
+            session.latest[self.key] = self.request
         session.check_open()
         self.admission.take()
         self._admitted = True

@@ -122,19 +122,31 @@ class Serving:
         return handle
 
     def origin(self, request: Request, body_session: str | None, body: bytes) -> Origin:
+        """Who the request is. Every session name it carries is checked. The base URL's session
+        wins; a header or body name that differs from it is kept as the client's trace id. Without
+        a base-URL session, a header and a body field that disagree are an error."""
         key = hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
         retry = _is_retry(request)
-        named = {
-            value
-            for value in (request.path_params.get("session_id"), request.headers.get(SESSION_HEADER), body_session)
-            if value
-        }
-        if len(named) > 1:
-            raise InvalidRequest("the request names more than one session", param="session_id")
-        session_id = check_session_id(named.pop()) if named else None
+        in_path = _checked(request.path_params.get("session_id"))
+        others = [name for name in (_checked(request.headers.get(SESSION_HEADER)), _checked(body_session)) if name]
+        trace_id = None
+        if in_path is not None:
+            session_id: str | None = in_path
+            trace_id = next((name for name in others if name != in_path), None)
+        elif len(set(others)) > 1:
+            raise InvalidRequest(
+                "the X-Session-ID header and the session_id field name different sessions", param="session_id"
+            )
+        else:
+            session_id = others[0] if others else None
         if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
             session_id = self.gateway.sessions.unnamed_session(key)
-        return Origin(session_id, key, retry)
+        return Origin(session_id, key, retry, trace_id)
+
+
+def _checked(name: str | None) -> str | None:
+    """A session name as sent (an empty one counts as none), or InvalidRequest."""
+    return check_session_id(name) if name else None
 
 
 def _is_retry(request: Request) -> bool:

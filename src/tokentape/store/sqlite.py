@@ -50,10 +50,15 @@ CREATE TABLE IF NOT EXISTS turns (
     rewrite TEXT,
     request_key BLOB,
     policy_version TEXT,
+    request_no INTEGER,
+    trace_id TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
 """
+
+
+_ADDED_TURN_COLUMNS = (("request_no", "INTEGER"), ("trace_id", "TEXT"))
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -107,6 +112,10 @@ class SqliteStore:
         # NORMAL survives a process kill (the WAL is in the OS); FULL would also survive power loss.
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(turns)")}
+        for column, kind in _ADDED_TURN_COLUMNS:  # a store written by an earlier version
+            if column not in columns:
+                connection.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
         self._connection = connection
 
     @property
@@ -144,7 +153,9 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns (session_id, id, parent, keep, context, context_origin, sampled, "
+                "logprobs, finish_reason, prompt_chain, chain, message_count, reply, rewrite, request_key, "
+                "policy_version, request_no, trace_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -162,6 +173,8 @@ class SqliteStore:
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
                     node.policy_version,
+                    node.request,
+                    node.trace_id,
                 ),
             )
             self.db.execute("COMMIT")
@@ -223,9 +236,13 @@ class SqliteStore:
         outcome.branch_rewards = {int(k): v for k, v in (saved.get("branch_rewards") or {}).items()}
         outcome.turn_rewards = {int(k): v for k, v in (saved.get("turn_rewards") or {}).items()}
         outcome.finished_at = saved.get("finished_at")
-        for turn in self.db.execute("SELECT * FROM turns WHERE session_id = ? ORDER BY id", (session_id,)):
+        for turn in self.db.execute(
+            "SELECT id, parent, keep, context, context_origin, sampled, logprobs, finish_reason, prompt_chain, "
+            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id "
+            "FROM turns WHERE session_id = ? ORDER BY id",
+            (session_id,),
+        ):
             (
-                _,
                 ident,
                 parent,
                 keep,
@@ -241,6 +258,8 @@ class SqliteStore:
                 rewrite,
                 request_key,
                 policy_version,
+                request_no,
+                trace_id,
             ) = turn
             tree.restore(
                 TurnNode(
@@ -259,6 +278,8 @@ class SqliteStore:
                     reply=json.loads(reply),
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
+                    request=request_no,
+                    trace_id=trace_id,
                     policy_version=policy_version,
                 )
             )
