@@ -6,15 +6,12 @@ restart. The first attempt and its retry are ordered with a gate in front of the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from tests.conftest import MODEL_NAME
-from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tests.support.gates import GatedEngine
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
@@ -30,40 +27,6 @@ BODY = {
 }
 URL = "/sessions/grpo/v1/chat/completions"
 RETRY = {"x-stainless-retry-count": "1"}
-
-
-class GatedEngine:
-    """The real engine behind a gate: a generation waits at the gate until the test opens it."""
-
-    def __init__(self, inner: LlamaCppEngine) -> None:
-        self.inner = inner
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.entered = asyncio.Event()  # a generation is waiting at (or went through) the gate
-        self.calls = 0
-
-    @property
-    def model_id(self) -> str:
-        return self.inner.model_id
-
-    @property
-    def context_length(self) -> int:
-        return self.inner.context_length
-
-    async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
-    ) -> AsyncGenerator[SampledToken, None]:
-        self.calls += 1
-        self.entered.set()
-        await self.gate.wait()
-        async for token in self.inner.generate(prompt, params, seed=seed, session_id=session_id):
-            yield token
-
-    def describe(self) -> dict[str, Any]:
-        return {**self.inner.describe(), "kind": "gated"}
-
-    async def close(self) -> None:
-        return None
 
 
 def _ids(response: httpx.Response) -> list[list[int]]:

@@ -195,11 +195,14 @@ async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, No
             pass
 
     work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
-    finished, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    watch.cancel()
-    if work not in finished:
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the client left, or this handler itself was cancelled: stop generating either way
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
         return []
     return work.result()
