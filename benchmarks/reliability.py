@@ -65,8 +65,10 @@ async def main(args: argparse.Namespace) -> None:
         report(
             "disconnect storm",
             figures,
-            f"{figures['generations_aborted']}/{figures['disconnects']} generations aborted "
-            f"({100 * figures['aborted_ratio']:.0f}%)",
+            f"{figures['generations_aborted']}/{figures['clients']} generations aborted "
+            f"({100 * figures['aborted_ratio']:.0f}%), at most "
+            f"{figures['max_tokens_generated_after_the_last_received']} tokens generated past the last one "
+            f"received, {figures['tokens_generated_not_on_the_tape']} not on the tape",
         )
         figures = await suite.retry_storm(server, requests=args.retry_requests, retries=2)
         report(

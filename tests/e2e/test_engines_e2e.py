@@ -83,7 +83,7 @@ async def test_drain_sends_new_sessions_elsewhere(pool: tuple[RunningServer, lis
     server, states = pool
     drained_url = states[0][0]
     listed = httpx.post(f"{server.base_url}/admin/engines", json={"drain": drained_url}).json()["data"]
-    assert any(e["url"] == drained_url and e["draining"] for e in listed) or len(listed) == 2
+    assert len(listed) == 3 and [e["draining"] for e in listed if e["url"] == drained_url] == [True]
     for i in range(4):
         await _turn(server, f"d{i}", [{"role": "user", "content": f"Hi {i}"}])
     assert all(0 not in _engine_of(states, f"d{i}") for i in range(4))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
@@ -245,31 +246,51 @@ async def kill_loop(tmp: Path, *, cycles: int, sessions: int, seed: int = 0) -> 
 
 # -- disconnect storm ----------------------------------------------------------------------------------------
 async def disconnect_storm(server: RunningServer, *, clients: int, seed: int = 0) -> Figures:
+    """Clients that leave mid-stream, one at a time. Every generation must end as `abort`: one that
+    ran to `length` or `stop` despite the client leaving counts as a failure. At the engine: every
+    token it generated is on the tape, and how far it ran past what the client had received."""
     rng = random.Random(seed)
+    aborted = 0
+    overruns: list[int] = []
+    unrecorded = 0
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
         for i in range(clients):
             body = {**_chat("Write a long story about the sea."), "max_tokens": 300, "stream": True, "seed": i}
+            before = (await http.get("/health")).json()["tokens_generated"]
             stop_after = rng.randint(1, 12)
+            received = 0
             async with http.stream("POST", f"/sessions/storm-{i}/v1/chat/completions", json=body) as response:
                 seen = 0
                 async for line in response.aiter_lines():
-                    seen += line.startswith("data: {")
+                    if line.startswith("data: {"):
+                        seen += 1
+                        received += sum(len(c.get("token_ids", [])) for c in orjson.loads(line[6:])["choices"])
                     if seen >= stop_after:
                         break
-        await asyncio.sleep(1.0)
-        aborted = 0
-        finished_anyway = 0
-        for i in range(clients):
+            generated = await _settled_tokens(http) - before
             (branch,) = (await http.get(f"/sessions/storm-{i}/export")).json()["branches"]
-            if branch["finish_reasons"] == ["abort"]:
-                aborted += 1
-            else:
-                finished_anyway += 1  # the model ended its turn before the client left
+            aborted += branch["finish_reasons"] == ["abort"]
+            unrecorded += generated - sum(branch["loss_mask"])
+            overruns.append(generated - received)
     return {
-        "disconnects": clients - finished_anyway,
+        "clients": clients,
         "generations_aborted": aborted,
-        "aborted_ratio": aborted / max(1, clients - finished_anyway),
+        "aborted_ratio": aborted / max(1, clients),
+        "tokens_generated_not_on_the_tape": unrecorded,
+        "max_tokens_generated_after_the_last_received": max(overruns, default=0),
     }
+
+
+async def _settled_tokens(http: httpx.AsyncClient) -> int:
+    """The engine's token count once it stops changing (generation has ended)."""
+    last = (await http.get("/health")).json()["tokens_generated"]
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        now = (await http.get("/health")).json()["tokens_generated"]
+        if now == last:
+            return int(now)
+        last = now
+    raise AssertionError("generation did not stop")
 
 
 # -- overload ---------------------------------------------------------------------------------------------
