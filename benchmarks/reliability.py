@@ -53,6 +53,14 @@ async def main(args: argparse.Namespace) -> None:
             f"{figures['kinds']} kinds, {figures['answered_4xx_openai']} answered 4xx OpenAI errors, "
             f"healthy {figures['healthy']}, sessions unchanged {figures['sessions_unchanged']}",
         )
+        figures = await suite.odd_session_ids(server, requests=args.odd_requests)
+        report(
+            "odd session ids",
+            figures,
+            f"{figures['requests']} requests (slashes, percent-encoding, .., control characters): "
+            f"{figures['responses_5xx']} responses 5xx, bad ids not answered 400: "
+            f"{len(figures['bad_ids_not_rejected_400'])}, still serving {figures['healthy']}",
+        )
         figures = await suite.kill_loop(Path(scratch), cycles=args.kill_cycles, sessions=4)
         report(
             "SIGKILL loop",
@@ -102,6 +110,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fuzz-examples", type=int, default=150)
+    parser.add_argument("--odd-requests", type=int, default=2000)
     parser.add_argument("--kill-cycles", type=int, default=5)
     parser.add_argument("--disconnects", type=int, default=30)
     parser.add_argument("--retry-requests", type=int, default=16)

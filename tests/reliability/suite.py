@@ -390,3 +390,90 @@ async def soak(
         "open_files_growth": fd1 - fd0,
         "sessions_in_memory_at_end": len(registry),
     }
+
+
+# -- odd session ids ----------------------------------------------------------------------------------------
+ODD_PATH_IDS = [
+    "a/b", "a%2Fb", "a%2fb", "%2e%2e", "%2E%2E/x", "abc%0A", "abc%0D%0A", "x%00y", "a%20b", "%E2%80%AE",
+    "caf%C3%A9", "-x", "x" * 129, "%", "%zz", "a;b", "%3Cscript%3E", "..%2F..%2Fetc", "a%09b", "%0A",
+]  # fmt: skip
+ODD_VALUES = ["abc\n", "..", "../etc", "a/b", "a b", "-x", "x" * 129, "\u00e9", "a\u0000b", "<x>", "a\tb", " x"]
+GOOD_IDS = ["ok", "a" * 128, "ok-1.2:3_x", "Z9"]
+
+
+async def _raw_status(base_url: str, request: bytes) -> int:
+    """Send bytes as they are (no client normalising `..` away) and read the status code."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        status_line = await reader.readline()
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def odd_session_ids(server: RunningServer, *, requests: int, seed: int = 0) -> Figures:
+    """Session ids with slashes, percent-encoding, `..`, control characters and unicode, through every
+    way a session is named (base URL, header, body field, POST /sessions, session routes, raw HTTP),
+    mixed with well-formed ones. No answer may be a 5xx; a bad id in a generation route is a 400
+    `invalid_session_id`; the engine stays healthy."""
+    rng = random.Random(seed)
+    statuses: dict[int, int] = {}
+    bad_not_rejected: list[tuple[str, str, int]] = []
+    chat = {**_chat(max_tokens=1)}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        for i in range(requests):
+            way = rng.choice(["path", "path-completion", "header", "body", "create", "route", "raw"])
+            good = rng.random() < 0.05
+            if way.startswith("path"):
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_PATH_IDS)
+                route = "completions" if way == "path-completion" else "chat/completions"
+                body: dict[str, Any] = (
+                    {"model": MODEL, "prompt": "Hi", "max_tokens": 1} if "completion" in way else chat
+                )
+                response = await http.post(f"/sessions/{name}/v1/{route}", json=body)
+            elif way == "header":
+                name = (
+                    rng.choice(GOOD_IDS)
+                    if good
+                    else rng.choice([v for v in ODD_VALUES if v.isascii() and v.isprintable() and v == v.strip()])
+                )
+                response = await http.post("/v1/chat/completions", json=chat, headers={"x-session-id": name})
+            elif way == "body":
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_VALUES)
+                response = await http.post(f"/sessions/s{i % 7}/v1/chat/completions", json={**chat, "session_id": name})
+            elif way == "create":
+                name = f"new-{i}" if good else rng.choice(ODD_VALUES)
+                response = await http.post("/sessions", json={"session_id": name})
+            elif way == "route":
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_PATH_IDS)
+                method, suffix = rng.choice([("GET", ""), ("GET", "/export"), ("POST", "/finish"), ("DELETE", "")])
+                response = await http.request(method, f"/sessions/{name}{suffix}")
+            else:
+                name = rng.choice(["..", "a/../b", "../..", "./x", "a/./b"])
+                payload = orjson.dumps(chat)
+                head = (
+                    f"POST /sessions/{name}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                )
+                status = await _raw_status(server.base_url, head.encode() + payload)
+                statuses[status] = statuses.get(status, 0) + 1
+                if status != 400:
+                    bad_not_rejected.append((way, name, status))
+                continue
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            if not good and way in ("path", "path-completion", "header", "body", "create"):
+                code = response.json().get("error", {}).get("code") if response.status_code == 400 else None
+                if code != "invalid_session_id":
+                    bad_not_rejected.append((way, name, response.status_code))
+        healthy = (await http.get("/health")).status_code == 200
+        still_serving = (await http.post("/sessions/after-odd/v1/chat/completions", json=chat)).status_code == 200
+    return {
+        "requests": requests,
+        "statuses": dict(sorted(statuses.items())),
+        "responses_5xx": sum(n for status, n in statuses.items() if status >= 500),
+        "bad_ids_not_rejected_400": bad_not_rejected[:10],
+        "healthy": healthy and still_serving,
+    }
