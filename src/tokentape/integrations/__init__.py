@@ -1,0 +1,3 @@
+"""Trainers' own entry points, served by tokentape: `atropos` (an environment's server manager) and
+`openrlhf` (an agent executor). Each needs its framework installed (`pip install tokentape[atropos]`,
+`tokentape[openrlhf]`)."""
