@@ -26,7 +26,6 @@ executors).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import hashlib
 import importlib
@@ -63,7 +62,7 @@ def executor_base() -> type:
     except ImportError:
         spec = importlib.util.find_spec("openrlhf")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("OpenRLHF is not installed (pip install tokentape[openrlhf])") from None
+            raise ImportError("OpenRLHF is not installed (pip install openrlhf)") from None
         if not isinstance(sys.modules.get("openrlhf.utils"), types.ModuleType) or not hasattr(
             sys.modules["openrlhf.utils"], "__path__"
         ):
@@ -203,8 +202,8 @@ def agent_executor(
             result = self.agent(gateway.client(session_id), prompt, label)
             outcome = await result if inspect.isawaitable(result) else result
             reward, scores, extra_logs = _outcome(outcome)
-            with contextlib.suppress(openai.APIStatusError):  # no turn recorded: reported below
-                await gateway.finish(session_id, **({"reward": reward} if reward is not None else {}))
+            rewards: dict[str, Any] = {} if reward is None else {"reward": reward}
+            await gateway.finish(session_id, **rewards)
             export = await gateway.export(session_id)
             branches = export["branches"]
             if not branches:
