@@ -85,6 +85,10 @@ async def test_the_agent_file_matches_openrlhfs_own_multi_turn_executor(
     )
     assert len(llm.calls) == len(FEEDBACK) + 1 and all(c.output.finish_reason == "stop" for c in llm.calls)
     assert ours["observation_tokens"] == llm.calls[-1].prompt + llm.calls[-1].output.token_ids
+    (turn_end,) = tokenizer.encode("<|im_end|>")
+    for call in llm.calls:  # vLLM is told to stop at the turn's end and to stay within max_length
+        assert call.params is not None and turn_end in (call.params.stop_token_ids or ())
+        assert call.params.max_tokens is not None and len(call.prompt) + call.params.max_tokens <= MAX_LENGTH
     _check_against_calls(ours, llm.calls)
     export = await executor.gateway.export(ours["session_id"], format="openrlhf")
     _check_against_export(ours, export)

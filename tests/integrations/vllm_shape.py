@@ -59,6 +59,7 @@ class RequestOutput:
 class Call:
     prompt: list[int]
     output: CompletionOutput
+    params: SamplingParams | None = None
 
 
 @dataclass
@@ -109,7 +110,7 @@ class EmbeddedLLM:
                 )
         finish = "stop" if tokens and tokens[-1] in stops else "length"
         output = CompletionOutput(0, self.tokenizer.decode(tokens), tokens, None, ranked, finish)
-        self.calls.append(Call(list(prompt_token_ids), output))
+        self.calls.append(Call(list(prompt_token_ids), output, sampling_params))
         return RequestOutput(f"req-{len(self.calls)}", list(prompt_token_ids), [output])
 
 
