@@ -5,7 +5,9 @@
 
 where `async def solve(client: openai.AsyncOpenAI, prompt: str, label: str) -> float` is an ordinary
 agent: it calls `client.chat.completions.create(...)` as often as it likes (tool loops, several
-turns, n>1) and returns its reward (or a dict with `reward`, `scores`, `extra_logs`).
+turns, n>1) and returns its reward (or a dict with `reward`, `scores`, `extra_logs`). The model is
+served under the tokenizer's `name_or_path` (also `client.models.list()`); the samples of one prompt
+share a group.
 
 OpenRLHF builds `AgentExecutor()` and calls `execute(prompt, label, sampling_params, max_length,
 hf_tokenizer, llm_engine)` once per sample. Each call runs the agent against its own tokentape
@@ -174,7 +176,8 @@ def agent_executor(
                         llm_engine,
                         sampling_params,
                         context_length=max_length,
-                        model_id=directory.name or "policy",
+                        # the name OpenRLHF's own OpenAI-server example serves under
+                        model_id=str(getattr(hf_tokenizer, "name_or_path", "") or directory.name),
                         end_of_turn_ids=renderer.tokenizer.end_of_turn_ids,
                     )
                     gateway = Gateway(self.engine, renderer, SessionRegistry(policy))
