@@ -70,3 +70,16 @@ async def tool_agent(client: openai.AsyncOpenAI, prompt: str, label: str) -> dic
         messages.append({"role": "user", "content": "And what is that plus one?"})
     text = " ".join(str(m.get("content") or "") for m in messages if m["role"] == "assistant")
     return {"reward": 1.0 if label in text else 0.0, "extra_logs": {"tool_calls": tool_calls}}
+
+
+async def sibling_agent(client: openai.AsyncOpenAI, prompt: str, label: str) -> float:
+    """Two drafts (n=2), then a follow-up on the second: the episode's last turn is on that branch."""
+    model = await _model(client)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    drafts = await client.chat.completions.create(
+        model=model, messages=messages, n=2, max_tokens=16, temperature=1.0, seed=7, logprobs=True
+    )
+    chosen = drafts.choices[1].message.content or ""
+    messages += [{"role": "assistant", "content": chosen}, {"role": "user", "content": "Shorter, please."}]
+    await client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, logprobs=True)
+    return 1.0

@@ -145,3 +145,19 @@ async def test_a_tool_loop_with_n_samples_per_prompt(
         assert "42" in tokenizer.decode(result["observation_tokens"])  # the tool's answer went back in
         export = await executor.gateway.export(result["session_id"], format="openrlhf")
         _check_against_export(result, export)
+
+
+async def test_n_choices_inside_an_episode_return_the_branch_of_its_last_turn(
+    tmp_path: Path, engine: LlamaCppEngine, tokenizer: GGUFTokenizer, hf_tokenizer: NoTorchTokenizer
+) -> None:
+    llm = EmbeddedLLM(engine, tokenizer)
+    executor = _executor(tmp_path, "sibling_agent")
+    params = SamplingParams(temperature=1.0, logprobs=0)
+    result = await executor.execute("Describe the sea.", "", params, MAX_LENGTH, hf_tokenizer, llm)
+    drafts, last = llm.calls[0], llm.calls[-1]
+    assert len(llm.calls) == 3 and llm.calls[1].prompt == drafts.prompt  # two drafts of one prompt, then one more
+    assert result["extra_logs"]["tokentape_branches"] == 2
+    assert result["observation_tokens"] == last.prompt + last.output.token_ids
+    second_draft = llm.calls[1].output.token_ids
+    assert last.prompt[len(drafts.prompt) : len(drafts.prompt) + len(second_draft)] == second_draft
+    _check_against_calls(result, llm.calls)
