@@ -95,6 +95,7 @@ class VLLMEngine:
         self._context_length = context_length
         self._model_id = model_id
         self._end_of_turn = end_of_turn_ids
+        self.tokens_generated = 0
 
     @property
     def model_id(self) -> str:
@@ -127,6 +128,7 @@ class VLLMEngine:
         output = await self.llm_engine.generate(list(prompt), vllm)
         completion = output.outputs[0]
         logprobs = completion.logprobs or []
+        self.tokens_generated += len(completion.token_ids)
         for i, token_id in enumerate(completion.token_ids):
             ranked = logprobs[i] if i < len(logprobs) else {}
             own = ranked.get(token_id)
@@ -134,6 +136,9 @@ class VLLMEngine:
                 raise EngineFailure("the engine returned no logprob for a sampled token (set sampling logprobs)")
             top = sorted(((t, float(lp.logprob)) for t, lp in ranked.items()), key=lambda item: -item[1])
             yield SampledToken(int(token_id), float(own.logprob), tuple(top[: params.top_logprobs]))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "openrlhf-vllm", "model": self._model_id, "tokens_generated": self.tokens_generated}
 
     async def close(self) -> None:
         return None
