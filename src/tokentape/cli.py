@@ -75,6 +75,14 @@ def serve(
     drain_seconds: Annotated[
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
+    match_prefix: Annotated[
+        bool,
+        typer.Option(
+            help="A chat request that names no session continues the one live session whose history it "
+            "extends; several candidates or an edited history open a new session (response header "
+            "X-Tokentape-Prefix-Match says which)."
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
     ray: Annotated[
         str | None,
@@ -115,6 +123,7 @@ def serve(
         store_path=store,
         max_waiting=max_waiting,
         memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
+        match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
     guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)

@@ -53,6 +53,7 @@ class RuntimeSettings:
     engines: tuple[str, ...] = ()  # KIND=URL remote engines; none: the embedded llama.cpp engine
     max_waiting: int = 64
     memory: MemoryLimits = field(default_factory=MemoryLimits)
+    match_prefix: bool = False  # unnamed chat requests continue the one live session their history extends
 
 
 def gguf_renderer(path: Path) -> Renderer:
@@ -81,7 +82,9 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
     if not path.is_file():
         raise NotFound(f"no model file at {path}")
     renderer = hf_renderer(settings.tokenizer_dir) if settings.tokenizer_dir else gguf_renderer(path)
-    registry = SessionRegistry(settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory)
+    registry = SessionRegistry(
+        settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory, match_prefix=settings.match_prefix
+    )
     if engine is not None:
         name = settings.served_model_name or (None if settings.engines else _file_model_name(settings, path))
         return Gateway(engine, renderer, registry, max_waiting=settings.max_waiting), name

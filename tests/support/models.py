@@ -47,3 +47,96 @@ def materialise(name: str, root: Path) -> Path:
     if template is not None:
         shutil.copy(DATA / "templates" / template, target / "chat_template.jinja")
     return target
+
+
+# -- the embedded model's tokenizer as a Hugging Face directory ------------------------------------------
+# Frameworks (Atropos's BaseEnv, OpenRLHF's executors) load their tokenizer with transformers. The
+# embedded model ships only as a GGUF, so its vocabulary, merges and chat template are read from the
+# file (a small GGUF reader: no weights are touched) and written as tokenizer.json.
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_metadata(path: Path) -> dict[str, object]:
+    """Every key/value pair of a GGUF file's header (version 2 or 3)."""
+    import struct
+
+    with path.open("rb") as f:
+
+        def scalar(fmt: str) -> object:
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def string() -> str:
+            length = scalar("<Q")
+            assert isinstance(length, int)
+            return f.read(length).decode("utf-8", "surrogateescape")
+
+        def value(kind: int) -> object:
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item_kind, count = scalar("<I"), scalar("<Q")
+                assert isinstance(item_kind, int) and isinstance(count, int)
+                return [value(item_kind) for _ in range(count)]
+            return scalar(_GGUF_SCALARS[kind])
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, _tensors, count = scalar("<I"), scalar("<Q"), scalar("<Q")
+        assert version in (2, 3) and isinstance(count, int)
+        metadata: dict[str, object] = {}
+        for _ in range(count):
+            key = string()
+            kind = scalar("<I")
+            assert isinstance(kind, int)
+            metadata[key] = value(kind)
+        return metadata
+
+
+def gguf_tokenizer_dir(gguf: Path, root: Path) -> Path:
+    """A transformers-loadable directory with the GGUF's byte-level BPE vocabulary and chat template."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    target = root / (gguf.stem + "-hf")
+    if (target / "tokenizer.json").is_file():
+        return target
+    meta = read_gguf_metadata(gguf)
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = meta["tokenizer.ggml.merges"]
+    types = meta["tokenizer.ggml.token_type"]
+    assert isinstance(tokens, list) and isinstance(merges, list) and isinstance(types, list)
+    assert meta["tokenizer.ggml.model"] == "gpt2", "only byte-level BPE vocabularies are converted"
+    bpe = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        ignore_merges=False,
+    )
+    tokenizer = Tokenizer(bpe)
+    # SmolLM's pre-tokenizer (llama.cpp's "smollm"): digits one by one, then GPT-2's byte-level split.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    tokenizer.add_special_tokens(control)
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(target / "tokenizer.json"))
+
+    def name(key: str) -> str | None:
+        index = meta.get(key)
+        return tokens[index] if isinstance(index, int) else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name("tokenizer.ggml.bos_token_id"),
+        "eos_token": name("tokenizer.ggml.eos_token_id"),
+        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "pad_token": name("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": False,
+        "model_max_length": 8192,
+        "chat_template": meta["tokenizer.chat_template"],
+    }
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target

@@ -95,6 +95,10 @@ class SessionTree:
     def branches(self) -> list[BranchView]:
         return [BranchView.of(leaf) for leaf in self.leaves]
 
+    def has_chain(self, chain: bytes) -> bool:
+        """Whether some turn recorded exactly this history, its own reply included."""
+        return chain in self._by_chain
+
     @property
     def token_count(self) -> int:
         return sum(len(n.context) + len(n.sampled) for n in self.nodes)

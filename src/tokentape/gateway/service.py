@@ -13,6 +13,7 @@ still recorded, with finish reason "abort", so no sampled token is lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,8 +161,12 @@ class Gateway:
         return self.chat(call) if isinstance(call, ChatCall) else self.complete(call)
 
     async def chat(self, call: ChatCall) -> AsyncGenerator[Event, None]:
+        match = None
+        if call.session_id is None and self.sessions.match_prefix:  # the one live session it extends, if any
+            match = self.sessions.match(call.messages)
+            call = dataclasses.replace(call, session_id=match.session_id)
         async for event in self._serve(call, None):
-            yield event
+            yield dataclasses.replace(event, prefix_match=match) if match and isinstance(event, Started) else event
 
     async def complete(self, call: CompletionCall) -> AsyncGenerator[Event, None]:
         prompt = await self.planner.completion_prompt(call.prompt)  # bad prompts fail before a session opens

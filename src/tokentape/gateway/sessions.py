@@ -10,14 +10,24 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokentape.core.messages import Message, chain_of
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound
 from tokentape.store.sqlite import SqliteStore
 
-__all__ = ["MemoryLimits", "Session", "SessionRegistry", "REWRITE_POLICIES", "check_session_id", "check_policy"]
+__all__ = [
+    "MemoryLimits",
+    "PrefixMatch",
+    "Session",
+    "SessionRegistry",
+    "REWRITE_POLICIES",
+    "check_session_id",
+    "check_policy",
+]
 
 REWRITE_POLICIES: tuple[RewritePolicy, ...] = ("tape", "fork", "strict")
 UNNAMED_REQUESTS_KEPT = 4096  # SDK retries come within seconds; this covers minutes of traffic
@@ -86,6 +96,21 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How an unnamed request was placed in prefix-matching mode (sent back in a response header).
+
+    outcome: `matched` (its history is a live branch of exactly one session: it continues that
+    session), `new` (no assistant message to match: a first turn), `ambiguous` (several live
+    sessions recorded that same history: a new session), `unmatched` (no live session recorded its
+    history, e.g. an edited or compacted one: a new session).
+    """
+
+    outcome: str
+    session_id: str | None = None  # the session continued (`matched` only)
+    candidates: int = 0  # live sessions whose branches the history matched
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryLimits:
     """Sessions are always in the store; these bound how many stay in memory as well."""
 
@@ -101,8 +126,11 @@ class SessionRegistry:
         default_policy: RewritePolicy = "tape",
         store: SqliteStore | None = None,
         limits: MemoryLimits = MemoryLimits(),
+        *,
+        match_prefix: bool = False,
     ) -> None:
         self.default_policy: RewritePolicy = default_policy
+        self.match_prefix = match_prefix  # unnamed chat requests continue the one session they extend
         self.store = store or SqliteStore(":memory:")
         self.limits = limits
         self._sessions: dict[str, Session] = {}
@@ -121,6 +149,23 @@ class SessionRegistry:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def match(self, messages: Sequence[Message]) -> PrefixMatch:
+        """The live session an unnamed request continues: the one whose branches recorded the
+        request's history up to its last assistant message, reply included.
+
+        Only sessions in memory and not finished are candidates (one dictionary lookup each). The
+        whole history must match, so an edited reply never continues a session: it is `unmatched`.
+        """
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        if last < 0:
+            return PrefixMatch("new")
+        chain = chain_of(messages[: last + 1])
+        found = [s.id for s in self._sessions.values() if not s.tree.outcome.finished and s.tree.has_chain(chain)]
+        if len(found) == 1:
+            self.get(found[0])  # marks it used
+            return PrefixMatch("matched", found[0], 1)
+        return PrefixMatch("ambiguous" if found else "unmatched", None, len(found))
 
     def _load(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)

@@ -30,6 +30,7 @@ from tokentape.server.sessions_api import json_object
 __all__ = ["Dialect", "Origin", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
 SESSION_HEADER = "x-session-id"
+PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
 
 Req = TypeVar("Req", bound=pydantic.BaseModel)
@@ -113,6 +114,8 @@ class Serving:
             events = self.gateway.run(dialect.call(req, raw, origin))
             started = await _first(events)
             headers = {"X-Session-ID": started.session_id}
+            if started.prefix_match is not None:
+                headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
             if not dialect.streams(req):
                 choices = await _until_done_or_gone(request, events)
                 return json_response(dialect.respond(req, started, choices), headers=headers)
