@@ -147,6 +147,7 @@ class SessionTree:
         reply: Message,
         request_key: bytes | None = None,
         policy_version: str | None = None,
+        logprob_mode: str | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
@@ -166,6 +167,7 @@ class SessionTree:
             rewrite=turn.rewrite,
             request_key=request_key,
             policy_version=policy_version,
+            logprob_mode=logprob_mode,
         )
         self.restore(node)
         return node

@@ -74,6 +74,7 @@ class TurnNode:
     rewrite: Rewrite | None = None
     request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
     policy_version: str | None = None  # the weights that sampled this turn
+    logprob_mode: str | None = None  # what its logprobs are, as its engine reported (None: not recorded)
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -272,7 +272,8 @@ class Gateway:
                 yield delta
         finally:
             # Record even a cut-short generation: every sampled token stays on the tape.
-            if run.tokens or run.completed:
+            # Not what a failed engine answer sent before it failed: that is not trusted.
+            if (run.tokens or run.completed) and not run.engine_fault:
                 node = session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in run.tokens],
@@ -283,6 +284,7 @@ class Gateway:
                     reply=run.partial_reply().message(),
                     request_key=ticket.key,
                     policy_version=version,
+                    logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
                 )
                 write = ticket.write(node)
         assert write is not None  # a generation that ended normally was recorded above
