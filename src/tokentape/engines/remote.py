@@ -204,7 +204,7 @@ class RemoteEngine:
             error = data.get("error") if isinstance(data, dict) else None
             message = error.get("message") if isinstance(error, dict) else None
             message = message or (data.get("message") if isinstance(data, dict) else None) or error or text
-        except ValueError:
+        except (ValueError, RecursionError):
             message = text
         words = _quote(str(message))
         if status == 400 and ("context" in words.lower() or "too long" in words.lower()):
@@ -286,13 +286,15 @@ class RemoteEngine:
         words = _quote(str(message or error))
         if isinstance(code, int) and 400 <= code < 500:
             return InvalidRequest(f"the engine refused the request: {words}")
-        return EngineFailure(f"the engine reported an error: {words}")
+        failure = EngineFailure(f"the engine reported an error: {words}")
+        failure.engine_down = False  # it answered and named this request's failure: it is alive
+        return failure
 
 
 def _json_object(raw: str | bytes) -> dict[str, Any]:
     try:
         event = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         event = None
     if not isinstance(event, dict):
         raise EngineProtocolError(f"the engine sent a line that is not a JSON object: {_quote(raw)}")
