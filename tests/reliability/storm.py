@@ -93,11 +93,11 @@ async def _abandon_once(
 async def abandon_storm(server: RunningServer, *, abandoned: int, clients: int, seed: int = 0) -> Figures:
     """Run until `abandoned` requests were given up; every abandoned request is resent (retry count 1,
     like the SDK), and the resend is itself abandoned half the time."""
-    done = {"abandoned": 0, "completed": 0, "resent": 0, "errors_5xx": 0}
+    done = {"abandoned": 0, "completed": 0, "resent": 0, "errors_5xx": 0, "timeouts": 0}
 
     async def client_loop(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
             i = 0
             while done["abandoned"] < abandoned:
                 i += 1
@@ -112,7 +112,11 @@ async def abandon_storm(server: RunningServer, *, abandoned: int, clients: int, 
                 if rng.random() < 0.5 and await _abandon_once(client, body, retry, rng):
                     done["abandoned"] += 1
                     continue
-                response = await client.post("/v1/chat/completions", json={**body, "stream": False}, headers=retry)
+                try:
+                    response = await client.post("/v1/chat/completions", json={**body, "stream": False}, headers=retry)
+                except httpx.TimeoutException:
+                    done["timeouts"] += 1  # a resent request the gateway did not answer within a minute
+                    continue
                 if response.status_code >= 500:
                     done["errors_5xx"] += 1
                 done["completed"] += 1

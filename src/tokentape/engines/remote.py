@@ -42,6 +42,9 @@ SESSION_HEADER = "X-Session-ID"  # lets an engine-side router keep a session on 
 PROBE_TIMEOUT = 5.0  # seconds for a health probe or model discovery, on their own connection
 CONNECT_TIMEOUT = 10.0
 POOL_TIMEOUT = 30.0  # waiting for a free pooled connection
+# vLLM and SGLang answer a streamed request with its head at once (tokens follow): a head that does not
+# come is one stuck exchange, failed and retried on another connection rather than waited on for minutes
+HEAD_TIMEOUT = 20.0
 KEEPALIVE_EXPIRY = 4.0  # below the 5 s after which uvicorn (vLLM's and SGLang's server) drops idle connections
 MAX_CONNECTIONS = 256
 DRAIN_TIMEOUT = 1.0  # seconds to read what follows the last event, so that the connection can be reused
@@ -274,7 +277,12 @@ class RemoteEngine:
         send runs on, and its response is closed the moment it arrives."""
         sending = asyncio.ensure_future(self.http.send(request, stream=True))
         try:
-            return await asyncio.shield(sending)
+            return await asyncio.wait_for(asyncio.shield(sending), HEAD_TIMEOUT)
+        except TimeoutError:
+            sending.cancel()  # in its own task: a plain cancellation, which httpcore cleans up after
+            failure = EngineFailure(f"the engine at {self.base_url} sent no answer within {HEAD_TIMEOUT:.0f} s")
+            failure.engine_down = False  # one stuck exchange; the health probe judges the engine
+            raise failure from None
         except BaseException:  # also when the head arrived just as the caller was cancelled
             _cleanup.add(sending)
             sending.add_done_callback(_close_abandoned)
@@ -302,12 +310,13 @@ def _json_object(raw: str | bytes) -> dict[str, Any]:
 
 
 def _logprob(value: object) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value > LOGPROB_SLACK:  # type: ignore[arg-type]
+    number = float(value) if type(value) in (int, float) else math.nan  # type: ignore[arg-type]  # bool is no number
+    if not math.isfinite(number) or number > LOGPROB_SLACK:
         raise EngineProtocolError(
             f"the engine sent logprob {_quote(value)}; logprobs are finite numbers <= 0 "
             "(an engine reporting logits instead of logprobs is not supported)"
         )
-    return min(float(value), 0.0)  # type: ignore[arg-type]
+    return min(number, 0.0)
 
 
 def _token_text_id(token: object) -> int:
