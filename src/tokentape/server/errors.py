@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokentape.errors import InvalidRequest, NotFound, Overloaded, TokentapeError
+from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 
 __all__ = [
     "ErrorShape",
