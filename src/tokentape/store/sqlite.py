@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS turns (
     rewrite TEXT,
     request_key BLOB,
     policy_version TEXT,
+    logprob_mode TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
@@ -107,6 +108,9 @@ class SqliteStore:
         # NORMAL survives a process kill (the WAL is in the OS); FULL would also survive power loss.
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(turns)")}
+        if "logprob_mode" not in columns:  # a store written before turns recorded their logprob mode
+            connection.execute("ALTER TABLE turns ADD COLUMN logprob_mode TEXT")
         self._connection = connection
 
     @property
@@ -144,7 +148,7 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -162,6 +166,7 @@ class SqliteStore:
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
                     node.policy_version,
+                    node.logprob_mode,
                 ),
             )
             self.db.execute("COMMIT")
@@ -241,6 +246,7 @@ class SqliteStore:
                 rewrite,
                 request_key,
                 policy_version,
+                logprob_mode,
             ) = turn
             tree.restore(
                 TurnNode(
@@ -260,6 +266,7 @@ class SqliteStore:
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
                     policy_version=policy_version,
+                    logprob_mode=logprob_mode,
                 )
             )
         return tree
