@@ -17,7 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.reliability import suite  # noqa: E402
+from tests.reliability import engine_faults, storm, suite  # noqa: E402
 
 from tokentape.launcher import running_server  # noqa: E402
 
@@ -92,6 +92,32 @@ async def main(args: argparse.Namespace) -> None:
             f"{figures['sessions']} sessions: RSS +{figures['rss_growth_mb_per_1000_sessions']} MB per 1,000, "
             f"open files {figures['open_files_growth']:+d}, {figures['sessions_in_memory_at_end']} in memory",
         )
+    figures = await storm.storm_figures(abandoned=args.abandoned, clients=args.storm_clients)
+    report(
+        "abandon-and-retry storm",
+        figures,
+        f"{figures['abandoned']} abandoned by {figures['clients']} clients: engine sockets "
+        f"{figures['engine_sockets_before']} before, {figures['engine_sockets_after']} after; "
+        f"answers {figures['answers_after']}, engine healthy {figures['engine_healthy_after']}; "
+        f"new connections per request {figures['new_connections_per_request_sequential']} "
+        f"(16 at once: {figures['new_connections_per_request_16_concurrent']})",
+    )
+    for kind in ("vllm", "vllm-generate", "sglang"):
+        figures = await engine_faults.adapter_run(kind)
+        report(
+            f"malformed {kind} answers (adapter)",
+            figures,
+            f"{figures['mutations']} mutations: {figures['engine_error']} engine errors, "
+            f"{figures['request_error']} request errors, {figures['tokens']} harmless, "
+            f"{len(figures['unexpected'])} unexpected",
+        )
+        figures = await engine_faults.gateway_run(kind, limit=args.engine_fault_requests)
+        report(
+            f"malformed {kind} answers (gateway)",
+            figures,
+            f"{figures['mutations']} requests: statuses {figures['statuses']}, {len(figures['bad'])} bad "
+            "(>= 500 other than 502/503, no message, or the session changed)",
+        )
     with running_server(["--context-length", "4096", "--max-waiting", str(args.max_waiting)]) as small:
         figures = await suite.overload(small, offered=args.offered, waves=3)
         report(
@@ -117,4 +143,7 @@ if __name__ == "__main__":
     parser.add_argument("--soak-sessions", type=int, default=5000)
     parser.add_argument("--max-waiting", type=int, default=4)
     parser.add_argument("--offered", type=int, default=16)
+    parser.add_argument("--abandoned", type=int, default=5000)
+    parser.add_argument("--storm-clients", type=int, default=48)
+    parser.add_argument("--engine-fault-requests", type=int, default=400)
     asyncio.run(main(parser.parse_args()))

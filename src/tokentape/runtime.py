@@ -89,7 +89,7 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
         name = settings.served_model_name or (None if settings.engines else _file_model_name(settings, path))
         return Gateway(engine, renderer, registry, max_waiting=settings.max_waiting), name
     if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
-        router = Router([make_engine(spec) for spec in settings.engines])
+        router = Router([make_engine(spec) for spec in settings.engines], vocab_size=renderer.tokenizer.vocab_size)
         gateway = Gateway(router, renderer, registry, max_waiting=settings.max_waiting)
         return gateway, settings.served_model_name
     engine = LlamaCppEngine(

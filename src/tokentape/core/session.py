@@ -153,6 +153,7 @@ class SessionTree:
         request: int | None = None,
         trace_id: str | None = None,
         policy_version: str | None = None,
+        logprob_mode: str | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
         node = TurnNode(
@@ -174,6 +175,7 @@ class SessionTree:
             request=request,
             trace_id=trace_id,
             policy_version=policy_version,
+            logprob_mode=logprob_mode,
         )
         self.restore(node)
         return node

@@ -77,6 +77,7 @@ class TurnNode:
     request: int | None = None  # the session's number for the request that made this turn
     trace_id: str | None = None  # a second session name the client sent with the request
     policy_version: str | None = None  # the weights that sampled this turn
+    logprob_mode: str | None = None  # what its logprobs are, as its engine reported (None: not recorded)
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.sampler import sample_token
-from tokentape.errors import ContextOverflow, EngineFailure
+from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
 __all__ = ["LlamaCppEngine", "LlamaCppSettings", "default_threads"]
 
@@ -75,8 +75,16 @@ class LlamaCppEngine:
         self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
+        if constraint is not None:
+            raise InvalidRequest("the embedded engine cannot constrain its output yet", param="response_format")
         if not prompt:
             raise EngineFailure("empty prompt")
         if len(prompt) >= self.context_length:
@@ -137,13 +145,14 @@ class LlamaCppEngine:
         stop_ids = self._end_of_turn | frozenset(params.stop_token_ids)
         room = self.context_length - len(prompt)
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        mode = logprob_mode(params, scaled=True)  # the sampler records logits / temperature, untruncated
         logits = self._prefill(prompt)
         for _ in range(limit):
             if cancel.is_set():
                 return
             token, logprob, top = sample_token(logits, params, rng)
             self.tokens_generated += 1
-            emit(SampledToken(token, logprob, top))
+            emit(SampledToken(token, logprob, top, mode))
             if token in stop_ids:
                 return
             llama.eval([token])

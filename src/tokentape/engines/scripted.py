@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, SampledToken
 
 __all__ = ["ScriptedEngine"]
 
@@ -32,7 +32,13 @@ class ScriptedEngine:
         self.queue.append(list(tokens))
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
         tokens = self.queue.popleft() if self.queue else [*self.script, self.end_of_turn]

@@ -2,7 +2,8 @@
 text into reasoning, content and tool calls, and say how the generation ended.
 
 Recording is the caller's (the service attaches the turn and writes it); this module only keeps
-every sampled token, including those of a generation cut short, so nothing sampled is lost.
+every sampled token, including those of a generation cut short, so nothing sampled is lost. A
+generation the engine failed is marked (`engine_fault`): its tokens are not recorded.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class ChoiceRun:
         self.text_parts: list[str] = []
         self.finish: FinishReason = "abort"
         self.completed = False
+        self.engine_fault = False  # the engine failed: what it sent is not recorded
         self.reply = ParsedReply("", None)
         self._pending: list[SampledToken] = []
         self._assembler = TextAssembler()
@@ -115,6 +117,7 @@ class ChoiceRun:
             except EngineFailure:
                 # before the first token a retry is invisible; after it, it would duplicate the turn
                 if self.tokens or attempt + 1 == ENGINE_ATTEMPTS:
+                    self.engine_fault = True
                     raise
         if self.finish != "stop":
             self.finish = "abort" if interrupted else "length"

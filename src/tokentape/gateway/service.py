@@ -280,7 +280,8 @@ class Gateway:
                 yield delta
         finally:
             # Record even a cut-short generation: every sampled token stays on the tape.
-            if run.tokens or run.completed:
+            # Not what a failed engine answer sent before it failed: that is not trusted.
+            if (run.tokens or run.completed) and not run.engine_fault:
                 node = session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in run.tokens],
@@ -293,6 +294,7 @@ class Gateway:
                     request=ticket.request,
                     trace_id=trace_id,
                     policy_version=version,
+                    logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
                 )
                 write = ticket.write(node)
         assert write is not None  # a generation that ended normally was recorded above

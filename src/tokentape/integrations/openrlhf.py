@@ -44,8 +44,8 @@ import openai
 
 from tokentape.client import InProcessGateway
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
-from tokentape.errors import EngineFailure
+from tokentape.engines.base import Constraint, SampledToken, logprob_mode
+from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry, check_policy
 from tokentape.runtime import hf_renderer
@@ -122,9 +122,20 @@ class VLLMEngine:
         return vllm
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
+        if constraint is not None:
+            raise InvalidRequest("the trainer's engine is not asked for constrained output", param="response_format")
         vllm = self.vllm_params(len(prompt), params, seed)
+        # vLLM reports raw logprobs unless the trainer started it with logprobs_mode=processed_logprobs
+        processed = str(getattr(self.llm_engine, "logprobs_mode", "") or "").startswith("processed")
+        mode = logprob_mode(params, scaled=processed, truncated_by=("top_k", "top_p", "min_p") if processed else ())
         output = await self.llm_engine.generate(list(prompt), vllm)
         completion = output.outputs[0]
         logprobs = completion.logprobs or []
@@ -135,7 +146,7 @@ class VLLMEngine:
             if own is None:
                 raise EngineFailure("the engine returned no logprob for a sampled token (set sampling logprobs)")
             top = sorted(((t, float(lp.logprob)) for t, lp in ranked.items()), key=lambda item: -item[1])
-            yield SampledToken(int(token_id), float(own.logprob), tuple(top[: params.top_logprobs]))
+            yield SampledToken(int(token_id), float(own.logprob), tuple(top[: params.top_logprobs]), mode)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "openrlhf-vllm", "model": self._model_id, "tokens_generated": self.tokens_generated}

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.remote import RemoteEngine
 from tokentape.engines.router import Router
 from tokentape.errors import EngineFailure
@@ -104,8 +104,15 @@ class ActorEngine(RemoteEngine):
         return self.healthy
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
+        self._check_constraint(constraint)  # engine actors take no constraint yet: a clear 400
         stream: Any = self.actor.generate.remote(list(prompt), params, seed, session_id)
         done = False
         try:

@@ -52,13 +52,14 @@ CREATE TABLE IF NOT EXISTS turns (
     policy_version TEXT,
     request_no INTEGER,
     trace_id TEXT,
+    logprob_mode TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
 """
 
 
-_ADDED_TURN_COLUMNS = (("request_no", "INTEGER"), ("trace_id", "TEXT"))
+_ADDED_TURN_COLUMNS = (("request_no", "INTEGER"), ("trace_id", "TEXT"), ("logprob_mode", "TEXT"))
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -155,7 +156,8 @@ class SqliteStore:
             self.db.execute(
                 "INSERT OR REPLACE INTO turns (session_id, id, parent, keep, context, context_origin, sampled, "
                 "logprobs, finish_reason, prompt_chain, chain, message_count, reply, rewrite, request_key, "
-                "policy_version, request_no, trace_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "policy_version, request_no, trace_id, logprob_mode) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -175,6 +177,7 @@ class SqliteStore:
                     node.policy_version,
                     node.request,
                     node.trace_id,
+                    node.logprob_mode,
                 ),
             )
             self.db.execute("COMMIT")
@@ -238,7 +241,7 @@ class SqliteStore:
         outcome.finished_at = saved.get("finished_at")
         for turn in self.db.execute(
             "SELECT id, parent, keep, context, context_origin, sampled, logprobs, finish_reason, prompt_chain, "
-            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id "
+            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id, logprob_mode "
             "FROM turns WHERE session_id = ? ORDER BY id",
             (session_id,),
         ):
@@ -260,6 +263,7 @@ class SqliteStore:
                 policy_version,
                 request_no,
                 trace_id,
+                logprob_mode,
             ) = turn
             tree.restore(
                 TurnNode(
@@ -281,6 +285,7 @@ class SqliteStore:
                     request=request_no,
                     trace_id=trace_id,
                     policy_version=policy_version,
+                    logprob_mode=logprob_mode,
                 )
             )
         return tree
