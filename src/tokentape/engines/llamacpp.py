@@ -10,6 +10,7 @@ sampler, so that the recorded logprob is the one the token was drawn from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -72,6 +73,7 @@ class LlamaCppEngine:
         self.context_length = self._llama.n_ctx()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
+        self._counting = threading.Lock()
         self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
@@ -96,11 +98,12 @@ class LlamaCppEngine:
         cancel = threading.Event()
 
         def emit(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.waiting += 1
-        job = loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, cancel, emit)
-        job.add_done_callback(self._job_done)
+        with self._counting:
+            self.waiting += 1
+        loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, cancel, emit)
         try:
             while True:
                 item = await queue.get()
@@ -112,9 +115,6 @@ class LlamaCppEngine:
                 yield item
         finally:
             cancel.set()  # the worker stops before its next token; the executor stays serial
-
-    def _job_done(self, _: object) -> None:
-        self.waiting -= 1
 
     def _run(
         self,
@@ -131,6 +131,8 @@ class LlamaCppEngine:
             emit(exc)
         finally:
             emit(_DONE)
+            with self._counting:  # counted here, not on the caller's loop, which may be gone by now
+                self.waiting -= 1
 
     def _generate_blocking(
         self,
