@@ -74,6 +74,9 @@ class TurnNode:
     rewrite: Rewrite | None = None
     request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
     policy_version: str | None = None  # the weights that sampled this turn
+    # what the template read besides the messages (tools, chat_template_kwargs); shared with the
+    # parent's when equal
+    template_inputs: Mapping[str, Any] | None = None
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -283,6 +283,7 @@ class Gateway:
                     reply=run.partial_reply().message(),
                     request_key=ticket.key,
                     policy_version=version,
+                    template_inputs=plan.template_inputs,
                 )
                 write = ticket.write(node)
         assert write is not None  # a generation that ended normally was recorded above

@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS turns (
     rewrite TEXT,
     request_key BLOB,
     policy_version TEXT,
+    template_inputs TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
@@ -74,6 +75,19 @@ def _unfloats(blob: bytes) -> tuple[float, ...]:
     out = array("d")
     out.frombytes(blob)
     return tuple(out)
+
+
+def _inputs_json(node: TurnNode) -> str | None:
+    """A turn's template inputs; NULL when it shares its parent's (long episodes store them once)."""
+    if node.parent is not None and node.template_inputs is node.parent.template_inputs:
+        return None
+    return json.dumps(node.template_inputs) if node.template_inputs is not None or node.parent else None
+
+
+def _inputs_of(saved: str | None, parent: TurnNode | None) -> Any:
+    if saved is None:
+        return parent.template_inputs if parent is not None else None
+    return json.loads(saved)
 
 
 def _outcome_json(outcome: Outcome) -> str:
@@ -107,6 +121,9 @@ class SqliteStore:
         # NORMAL survives a process kill (the WAL is in the OS); FULL would also survive power loss.
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(turns)")}
+        if "template_inputs" not in columns:  # a store written before turns recorded it
+            connection.execute("ALTER TABLE turns ADD COLUMN template_inputs TEXT")
         self._connection = connection
 
     @property
@@ -144,7 +161,7 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -162,6 +179,7 @@ class SqliteStore:
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
                     node.policy_version,
+                    _inputs_json(node),
                 ),
             )
             self.db.execute("COMMIT")
@@ -241,7 +259,9 @@ class SqliteStore:
                 rewrite,
                 request_key,
                 policy_version,
+                inputs,
             ) = turn
+            parent_node = tree.nodes[parent] if parent is not None else None
             tree.restore(
                 TurnNode(
                     id=ident,
@@ -260,6 +280,7 @@ class SqliteStore:
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
                     policy_version=policy_version,
+                    template_inputs=_inputs_of(inputs, parent_node),
                 )
             )
         return tree
