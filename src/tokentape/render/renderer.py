@@ -38,6 +38,8 @@ _CALL_EXAMPLES: dict[ToolFormat, str] = {
     "<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "llama3": '{"name": <function-name>, "parameters": <args-json-object>}',
     "glm": "<tool_call><function-name><arg_key><name></arg_key><arg_value><value></arg_value></tool_call>",
+    "minimax": '<minimax:tool_call>\n<invoke name="<function-name>">\n<parameter name="<name>"><value></parameter>\n'
+    "</invoke>\n</minimax:tool_call>",
     "qwen_xml": "<tool_call>\n<function=<function-name>>\n<parameter=<name>>\n<value>\n</parameter>\n"
     "</function>\n</tool_call>",
 }
@@ -47,6 +49,8 @@ def detect_tool_format(template_source: str) -> ToolFormat | None:
     """The tool-call syntax a chat template renders, or None if it renders no tool calls."""
     if "<｜tool▁call▁begin｜>" in template_source or "<｜tool▁calls▁begin｜>" in template_source:
         return "deepseek"
+    if "<minimax:tool_call>" in template_source or "toolcall_begin_token" in template_source:
+        return "minimax"
     if "<function=" in template_source:
         return "qwen_xml"
     if "<arg_key>" in template_source:
@@ -250,7 +254,13 @@ class Renderer:
             return prepared, options.tools
         if not self.native_tool_calls:
             prepared = _tool_calls_as_text(prepared)
-        return _with_tool_list(prepared, options.tools or (), _CALL_EXAMPLES[self.tool_format]), None
+        return _with_tool_list(prepared, options.tools or (), self._call_example()), None
+
+    def _call_example(self) -> str:
+        if self.tool_format == "deepseek" and "```json" not in self.template.source:
+            # DeepSeek-V3.1 writes the arguments right after the name, with no type and no fence
+            return "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-json-object><｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+        return _CALL_EXAMPLES[self.tool_format]
 
 
 def _opens_reasoning(text: str) -> bool:
