@@ -169,9 +169,9 @@ class Renderer:
         before = self.render_text([*prefix, reply], False, recorded)
         with_new = self.render_text([*prefix, reply, *new], True, options)
         rewrite = not with_new.startswith(before)
-        after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
+        close, after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
         stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
-        text = strip_sampled_stop(self.turn_close + after, stop_text)
+        text = strip_sampled_stop(close + after, stop_text)
         detail = ""
         if rewrite:
             detail = (
@@ -196,18 +196,20 @@ class Renderer:
         before: str,
         with_new: str,
         rewrite: bool,
-    ) -> str:
-        """What the template renders after the reply's turn close: the new messages and the
-        generation prompt."""
-        if not rewrite and before.endswith(self.turn_close):
-            return with_new[len(before) :]
+    ) -> tuple[str, str]:
+        """(the close the template writes after this reply, what it renders after that: the new
+        messages and the generation prompt)."""
+        if not rewrite:
+            # DeepSeek-V3 writes no close after a lone tool call: then none is bridged either
+            close = self.turn_close if before.endswith(self.turn_close) else ""
+            return close, with_new[len(before) :]
         # The reply renders differently once new messages follow: find its close by a sentinel.
         sentinel = {**_without_reasoning(reply), "content": REPLY_SENTINEL}
         reply_only = self.render_text([*prefix, sentinel], False, options)
         followed = self.render_text([*prefix, sentinel, *new], True, options)
         if followed.startswith(reply_only) and reply_only.endswith(self.turn_close):
-            return followed[len(reply_only) :]
-        return text_after_reply(followed, self.turn_close)
+            return self.turn_close, followed[len(reply_only) :]
+        return self.turn_close, text_after_reply(followed, self.turn_close)
 
     def _probe_anchor(self) -> tuple[bool, str]:
         """Whether bridges rendered from the anchor equal those rendered from the first message, on
@@ -235,7 +237,8 @@ class Renderer:
         before = self.render_text([*prefix, reply], False, options)
         with_new = self.render_text([*prefix, reply, *new], True, options)
         rewrite = not with_new.startswith(before)
-        return self.turn_close + self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
+        close, after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
+        return close + after
 
     # -- rendering ---------------------------------------------------------------------------------
     def render_text(self, messages: Sequence[Message], generation: bool, options: RenderOptions) -> str:
