@@ -271,7 +271,11 @@ class Episode:
                     expected = expected[len(stop_text) :]  # sampled: never doubled
                 assert text == expected, f"turn {k}: bridge {text!r} != the full rendering's {expected!r}"
             else:  # the template renders the history differently now: compare what follows the reply
-                joined = text if text.startswith(close) else stop_text + text
+                # the sampled stop counts as template text when it starts the close or is the next opener
+                counts = close.startswith(stop_text) if close else stop_text in ("<|user|>", "<|observation|>")
+                sampled = stop_text if stop_text and counts else ""
+                joined = sampled + text
+                assert joined.startswith(close), f"turn {k}: the close is dropped or doubled"
                 after = joined[len(close) :]
                 assert full.endswith(after) and full[: len(full) - len(after)].endswith(close), f"turn {k}"
                 for message in new:
