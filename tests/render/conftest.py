@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.models import SOURCES, materialise
@@ -10,10 +12,15 @@ from tokentape.render.renderer import Renderer
 
 
 @pytest.fixture(scope="session")
-def renderers(tmp_path_factory: pytest.TempPathFactory, renderer: Renderer) -> dict[str, Renderer]:
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
+    return {name: materialise(name, root) for name in SOURCES}
+
+
+@pytest.fixture(scope="session")
+def renderers(model_dirs: dict[str, Path], renderer: Renderer) -> dict[str, Renderer]:
     built = {"smollm2": renderer}
-    for name in SOURCES:
-        template, tokenizer = load_model_dir(materialise(name, root))
+    for name, directory in model_dirs.items():
+        template, tokenizer = load_model_dir(directory)
         built[name] = Renderer(template, tokenizer)
     return built
