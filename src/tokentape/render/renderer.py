@@ -228,7 +228,12 @@ class Renderer:
                     continue  # a shape this template rejects cannot reach it
                 if anchored != full:
                     roles = ", ".join(str(m.get("role")) for m in messages)
-                    return False, f"after the reply at message {index} of ({roles}): {full!r} vs anchored {anchored!r}"
+                    at = next((i for i, (a, b) in enumerate(zip(anchored, full, strict=False)) if a != b), 0)
+                    at = max(0, full.rfind("<", 0, at + 1))  # from the special token that differs
+                    return False, (
+                        f"after the reply at message {index} of ({roles}) the full rendering continues "
+                        f"{full[at : at + 60]!r} where one from the last user message gives {anchored[at : at + 60]!r}"
+                    )
         return True, ""
 
     def _bridge_text(self, messages: Sequence[Message], index: int, prefix: list[Message], options: RenderOptions) -> str:
