@@ -188,7 +188,11 @@ class Episode:
         text = answer
         if self.renderer.reasoning and (reasoning is not None or self.opens_reasoning):
             thought = reasoning or "Let me think."
-            text = f"{thought}\n</think>\n\n{answer}" if self.opens_reasoning else f"<think>\n{thought}\n</think>\n\n{answer}"
+            text = (
+                f"{thought}\n</think>\n\n{answer}"
+                if self.opens_reasoning
+                else f"<think>\n{thought}\n</think>\n\n{answer}"
+            )
         return [*self.renderer.tokenizer.encode(text), self.end(calls_tool)]
 
     def calling(self, calls: list[tuple[str, dict[str, Any]]], reasoning: str | None = None) -> list[int]:

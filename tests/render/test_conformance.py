@@ -82,9 +82,13 @@ async def test_several_tool_rounds_parallel_calls_and_reasoning(renderers: dict[
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
     result = {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21, "sky": "clear"}'}
     if family in PARALLEL_CALLS:
-        done = await ep.turn([result], ep.calling([("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]))
+        done = await ep.turn(
+            [result], ep.calling([("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})])
+        )
         assert [json.loads(c["function"]["arguments"])["city"] for c in done.reply.tool_calls] == ["Rome", "Oslo"]
-        results = [{"role": "tool", "tool_call_id": c["id"], "content": f"{c['id']}: 18"} for c in done.reply.tool_calls]
+        results = [
+            {"role": "tool", "tool_call_id": c["id"], "content": f"{c['id']}: 18"} for c in done.reply.tool_calls
+        ]
     else:
         done = await ep.turn([result], ep.calling([("get_weather", {"city": "Rome"})]))
         results = [{"role": "tool", "tool_call_id": done.reply.tool_calls[0]["id"], "content": "18"}]
@@ -117,7 +121,9 @@ async def test_odd_endings(renderers: dict[str, Renderer], family: str) -> None:
     multi-byte character, a control token inside the text."""
     ep = Episode.of(renderers[family], family)
     tokenizer = ep.renderer.tokenizer
-    await ep.turn([{"role": "user", "content": "Say nothing."}], [ep.end()] if not ep.opens_reasoning else ep.sample(""))
+    await ep.turn(
+        [{"role": "user", "content": "Say nothing."}], [ep.end()] if not ep.opens_reasoning else ep.sample("")
+    )
     if family in OTHER_ENDS:
         other = tokenizer.encode(OTHER_ENDS[family])
         assert len(other) == 1 and other[0] in tokenizer.end_of_turn_ids
@@ -148,7 +154,9 @@ async def test_tools_changed_mid_episode(renderers: dict[str, Renderer], family:
     call_id = ep.replies[-1]["tool_calls"][0]["id"]
     await ep.turn([{"role": "tool", "tool_call_id": call_id, "content": "sunny"}], ep.sample("Sunny."))
     ep.tools = [WEATHER, CLOCK]
-    await ep.turn([{"role": "user", "content": "What time is it there?"}], ep.calling([("get_time", {"city": "Paris"})]))
+    await ep.turn(
+        [{"role": "user", "content": "What time is it there?"}], ep.calling([("get_time", {"city": "Paris"})])
+    )
     await ep.turn(
         [{"role": "tool", "tool_call_id": ep.replies[-1]["tool_calls"][0]["id"], "content": "noon"}],
         ep.sample("Noon."),

@@ -49,7 +49,6 @@ def test_a_tokenizer_must_fit_the_engine(tmp_path: Path) -> None:
         build_gateway(RuntimeSettings(tokenizer_dir=materialise("qwen3", tmp_path), context_length=512))
 
 
-
 def _findings(family: str, tmp_path: Path) -> dict[str, Finding]:
     return {f.case.strip(): f for f in audit(hf_renderer(materialise(family, tmp_path)))}
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-from renderers import create_renderer
 from renderers import configs as rc
+from renderers import create_renderer
 from transformers import PreTrainedTokenizerFast
 
 from tests.render.corpus import WEATHER, Episode
@@ -40,21 +40,33 @@ PROMPT_DISAGREEMENTS: dict[tuple[str, str], tuple[str, str]] = {
     ("deepseek-r1", "tools"): ("renderers", "the template ignores `tools`; tokentape lists them in the system prompt"),
     ("deepseek-v3", "tools"): ("renderers", "the template ignores `tools`; tokentape lists them in the system prompt"),
     **{
-        ("glm-4.5", shape): ("tokentape", "the GLM-4.5V template shipped offline ends the prompt with `<|assistant|>\\n`")
+        ("glm-4.5", shape): (
+            "tokentape",
+            "the GLM-4.5V template shipped offline ends the prompt with `<|assistant|>\\n`",
+        )
         for shape in ("plain", "system", "tools")
     },
     ("minimax-m2", "plain"): ("tokentape", "the shipped template's default system prompt names MiniMax-M2.7, not M2.5"),
     ("minimax-m2", "tools"): ("tokentape", "the shipped template's default system prompt names MiniMax-M2.7, not M2.5"),
     **{
-        ("llama3.2", shape): ("tokentape", "the template writes today's date (strftime_now); renderers pins 26 Jul 2024")
+        ("llama3.2", shape): (
+            "tokentape",
+            "the template writes today's date (strftime_now); renderers pins 26 Jul 2024",
+        )
         for shape in ("plain", "system", "tools")
     },
 }
 # (family, turn) -> why renderers' bridge differs from the full rendering that tokentape's equals
 BRIDGE_DISAGREEMENTS: dict[tuple[str, int], str] = {
     ("deepseek-r1", 1): "it adds `<think>\\n` after tool outputs, where the template writes no generation prompt",
-    ("deepseek-r1", 3): "it opens `<｜tool▁outputs▁begin｜>` again at the second tool round; the template opens it once",
-    ("deepseek-v3", 3): "it opens `<｜tool▁outputs▁begin｜>` again at the second tool round; the template opens it once",
+    (
+        "deepseek-r1",
+        3,
+    ): "it opens `<｜tool▁outputs▁begin｜>` again at the second tool round; the template opens it once",
+    (
+        "deepseek-v3",
+        3,
+    ): "it opens `<｜tool▁outputs▁begin｜>` again at the second tool round; the template opens it once",
     ("glm-4.5", 1): "it ends the generation prompt without the newline the GLM-4.5V template writes",
     ("glm-4.5", 3): "it ends the generation prompt without the newline the GLM-4.5V template writes",
     ("glm-4.5", 5): "after a truncated turn it bridges `</think><|endoftext|>`, which the template never writes",
@@ -93,7 +105,9 @@ def test_first_prompts_agree_or_the_template_decides(
             assert known is None, f"{family} {shape}: listed as a disagreement, but both agree"
             assert ours == truth
             continue
-        assert known is not None, f"{family} {shape}: {tokenizer.decode_all(ours)!r} vs {tokenizer.decode_all(theirs)!r}"
+        assert known is not None, (
+            f"{family} {shape}: {tokenizer.decode_all(ours)!r} vs {tokenizer.decode_all(theirs)!r}"
+        )
         winner, loser = (ours, theirs) if known[0] == "tokentape" else (theirs, ours)
         assert winner == truth and loser != truth, f"{family} {shape}: {known[1]}"
 

@@ -69,7 +69,9 @@ async def test_changed_tools_on_qwen25_fork_to_the_templates_rendering(renderers
     assert len(tree.branches()) == 2
 
 
-async def test_changed_tools_are_seen_after_the_session_is_reloaded(renderers: dict[str, Renderer], tmp_path: Path) -> None:
+async def test_changed_tools_are_seen_after_the_session_is_reloaded(
+    renderers: dict[str, Renderer], tmp_path: Path
+) -> None:
     renderer = renderers["qwen2.5"]
     path = tmp_path / "tape.sqlite3"
     ep = Episode.of(renderer, "qwen2.5", tools=True, policy="strict")

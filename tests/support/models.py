@@ -12,7 +12,6 @@ from typing import NamedTuple
 DATA = Path(__file__).resolve().parent.parent / "data"
 
 
-
 class Source(NamedTuple):
     package: str
     folder: str  # inside the package: tokenizer_config.json and the chat template

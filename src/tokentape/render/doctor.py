@@ -19,7 +19,7 @@ __all__ = ["Finding", "audit"]
 
 Verdict = Literal["exact", "bridged", "rewrite", "note", "problem"]
 _OPTIONS = RenderOptions()
-_TOOL = {
+_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "lookup",

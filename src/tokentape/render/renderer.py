@@ -236,7 +236,9 @@ class Renderer:
                     )
         return True, ""
 
-    def _bridge_text(self, messages: Sequence[Message], index: int, prefix: list[Message], options: RenderOptions) -> str:
+    def _bridge_text(
+        self, messages: Sequence[Message], index: int, prefix: list[Message], options: RenderOptions
+    ) -> str:
         reply = messages[index]
         new = list(messages[index + 1 :])
         before = self.render_text([*prefix, reply], False, options)
@@ -267,7 +269,10 @@ class Renderer:
     def _call_example(self) -> str:
         if self.tool_format == "deepseek" and "```json" not in self.template.source:
             # DeepSeek-V3.1 writes the arguments right after the name, with no type and no fence
-            return "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-json-object><｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+            return (
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-json-object>"
+                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+            )
         return _CALL_EXAMPLES[self.tool_format]
 
 
@@ -404,7 +409,12 @@ def _probe_shapes() -> list[tuple[list[Message], RenderOptions]]:
         {"role": "user", "content": "Two plus two?"},
         {"role": "assistant", "content": "Four.", "reasoning_content": "2+2=4."},
         {"role": "user", "content": "Times three?"},
-        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [_probe_call("x", 5)]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [_probe_call("x", 5)],
+        },
         {"role": "tool", "tool_call_id": "call_5", "content": "12"},
         {"role": "assistant", "content": "Twelve.", "reasoning_content": "4*3=12."},
         {"role": "user", "content": "Ok."},
