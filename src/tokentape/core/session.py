@@ -8,11 +8,11 @@ the session's policy. Anything else opens a new root: a fresh conversation in th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from tokentape.core.messages import Message, chain_step
+from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
     BranchView,
@@ -154,8 +154,12 @@ class SessionTree:
         trace_id: str | None = None,
         policy_version: str | None = None,
         logprob_mode: str | None = None,
+        template_inputs: Mapping[str, Any] | None = None,
     ) -> TurnNode:
-        """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
+        """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
+        `template_inputs` what else the template read (`messages.template_inputs`)."""
+        if turn.parent is not None and same_inputs(turn.parent.template_inputs, template_inputs):
+            template_inputs = turn.parent.template_inputs  # one copy per run of equal turns
         node = TurnNode(
             id=len(self.nodes),
             parent=turn.parent,
@@ -176,6 +180,7 @@ class SessionTree:
             trace_id=trace_id,
             policy_version=policy_version,
             logprob_mode=logprob_mode,
+            template_inputs=template_inputs,
         )
         self.restore(node)
         return node

@@ -78,6 +78,9 @@ class TurnNode:
     trace_id: str | None = None  # a second session name the client sent with the request
     policy_version: str | None = None  # the weights that sampled this turn
     logprob_mode: str | None = None  # what its logprobs are, as its engine reported (None: not recorded)
+    # what the template read besides the messages (tools, chat_template_kwargs); shared with the
+    # parent's when equal
+    template_inputs: Mapping[str, Any] | None = None
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

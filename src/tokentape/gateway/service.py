@@ -295,6 +295,7 @@ class Gateway:
                     trace_id=trace_id,
                     policy_version=version,
                     logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
+                    template_inputs=plan.template_inputs,
                 )
                 write = ticket.write(node)
         assert write is not None  # a generation that ended normally was recorded above

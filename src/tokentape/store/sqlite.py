@@ -53,13 +53,19 @@ CREATE TABLE IF NOT EXISTS turns (
     request_no INTEGER,
     trace_id TEXT,
     logprob_mode TEXT,
+    template_inputs TEXT,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
 """
 
 
-_ADDED_TURN_COLUMNS = (("request_no", "INTEGER"), ("trace_id", "TEXT"), ("logprob_mode", "TEXT"))
+_ADDED_TURN_COLUMNS = (
+    ("request_no", "INTEGER"),
+    ("trace_id", "TEXT"),
+    ("logprob_mode", "TEXT"),
+    ("template_inputs", "TEXT"),
+)
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -80,6 +86,19 @@ def _unfloats(blob: bytes) -> tuple[float, ...]:
     out = array("d")
     out.frombytes(blob)
     return tuple(out)
+
+
+def _inputs_json(node: TurnNode) -> str | None:
+    """A turn's template inputs; NULL when it shares its parent's (long episodes store them once)."""
+    if node.parent is not None and node.template_inputs is node.parent.template_inputs:
+        return None
+    return json.dumps(node.template_inputs) if node.template_inputs is not None or node.parent else None
+
+
+def _inputs_of(saved: str | None, parent: TurnNode | None) -> Any:
+    if saved is None:
+        return parent.template_inputs if parent is not None else None
+    return json.loads(saved)
 
 
 def _outcome_json(outcome: Outcome) -> str:
@@ -156,8 +175,8 @@ class SqliteStore:
             self.db.execute(
                 "INSERT OR REPLACE INTO turns (session_id, id, parent, keep, context, context_origin, sampled, "
                 "logprobs, finish_reason, prompt_chain, chain, message_count, reply, rewrite, request_key, "
-                "policy_version, request_no, trace_id, logprob_mode) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "policy_version, request_no, trace_id, logprob_mode, template_inputs) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -178,6 +197,7 @@ class SqliteStore:
                     node.request,
                     node.trace_id,
                     node.logprob_mode,
+                    _inputs_json(node),
                 ),
             )
             self.db.execute("COMMIT")
@@ -241,7 +261,8 @@ class SqliteStore:
         outcome.finished_at = saved.get("finished_at")
         for turn in self.db.execute(
             "SELECT id, parent, keep, context, context_origin, sampled, logprobs, finish_reason, prompt_chain, "
-            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id, logprob_mode "
+            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id, logprob_mode, "
+            "template_inputs "
             "FROM turns WHERE session_id = ? ORDER BY id",
             (session_id,),
         ):
@@ -264,7 +285,9 @@ class SqliteStore:
                 request_no,
                 trace_id,
                 logprob_mode,
+                inputs,
             ) = turn
+            parent_node = tree.nodes[parent] if parent is not None else None
             tree.restore(
                 TurnNode(
                     id=ident,
@@ -286,6 +309,7 @@ class SqliteStore:
                     trace_id=trace_id,
                     policy_version=policy_version,
                     logprob_mode=logprob_mode,
+                    template_inputs=_inputs_of(inputs, parent_node),
                 )
             )
         return tree
