@@ -133,6 +133,12 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
+def _best_first(alternatives: Sequence[tuple[int, float]], k: int) -> tuple[tuple[int, float], ...]:
+    """The `k` most likely tokens, best first. vLLM lists the sampled token first whether or not it
+    is among them (`/v1/completions` then sends k + 1 entries)."""
+    return tuple(sorted(alternatives, key=lambda pair: -pair[1])[:k])
+
+
 class VLLMEngine(RemoteEngine):
     """vLLM's OpenAI server: `/v1/completions`, streamed, prompt as token IDs."""
 
@@ -162,8 +168,8 @@ class VLLMEngine(RemoteEngine):
                     raise EngineFailure("the engine sent token IDs without one logprob each")
                 for token, logprob, top in zip(ids, values, tops, strict=True):
                     self.tokens_generated += 1
-                    alternatives = tuple((_token_id(t), float(lp)) for t, lp in (top or {}).items())
-                    yield SampledToken(int(token), float(logprob), alternatives)
+                    alternatives = [(_token_id(t), float(lp)) for t, lp in (top or {}).items()]
+                    yield SampledToken(int(token), float(logprob), _best_first(alternatives, params.top_logprobs))
 
 
 class VLLMGenerateEngine(RemoteEngine):
