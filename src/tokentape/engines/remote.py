@@ -133,6 +133,12 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
+def _entry_token(entry: dict[str, Any]) -> int:
+    """/inference/v1/generate names a top_logprobs token as `token_id: N` (0.32); `token: "token_id:N"`
+    is the /v1/chat/completions spelling."""
+    return int(entry["token_id"]) if "token_id" in entry else _token_id(entry["token"])
+
+
 def _best_first(alternatives: Sequence[tuple[int, float]], k: int) -> tuple[tuple[int, float], ...]:
     """The `k` most likely tokens, best first. vLLM lists the sampled token first whether or not it
     is among them (`/v1/completions` then sends k + 1 entries)."""
@@ -182,7 +188,9 @@ class VLLMGenerateEngine(RemoteEngine):
     ) -> AsyncGenerator[SampledToken, None]:
         sampling: dict[str, Any] = {
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
-            "logprobs": max(1, params.top_logprobs),
+            # vLLM lists the sampled token first and cuts the list at `logprobs` entries: one more
+            # than asked keeps the k best whether or not the sampled token is among them
+            "logprobs": params.top_logprobs + 1,
         }
         if seed is not None:
             sampling["seed"] = seed % 2**63
@@ -200,11 +208,8 @@ class VLLMGenerateEngine(RemoteEngine):
                 raise EngineFailure("the engine sent token IDs without one logprob each")
             for token, entry in zip(ids, content, strict=True):
                 self.tokens_generated += 1
-                alternatives = tuple(
-                    (_token_id(t["token"]), float(t["logprob"]))
-                    for t in (entry.get("top_logprobs") or [])[: params.top_logprobs]
-                )
-                yield SampledToken(int(token), float(entry["logprob"]), alternatives)
+                alternatives = [(_entry_token(t), float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+                yield SampledToken(int(token), float(entry["logprob"]), _best_first(alternatives, params.top_logprobs))
 
 
 class SGLangEngine(RemoteEngine):
