@@ -10,6 +10,7 @@ and tokens/s through the gateway against calling vLLM directly with the same tok
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -291,6 +292,7 @@ async def test_a_client_that_leaves_stops_vllm(
     generated = vllm_server.metric("vllm:generation_tokens_total")
     await _leave_early(gateways[kind], f"leaves-{kind}")
     made = await asyncio.wait_for(_settled_generation(vllm_server, generated), timeout=20)
+    FIGURES[f"tokens vLLM generated for a client that left after 8 chunks or 2 s ({kind})"] = int(made)
     assert made < 250  # of the 1,000 allowed: it stopped when the client left
 
 
@@ -469,3 +471,5 @@ async def test_tokens_per_second_through_the_gateway_against_direct(
     FIGURES["tokens per request"] = len(reference)
     FIGURES["tok/s through the gateway (median of 3)"] = round(statistics.median(gateway_rates), 1)
     FIGURES["tok/s straight to vLLM (median of 3)"] = round(statistics.median(direct_rates), 1)
+    FIGURES["gateway / direct"] = round(statistics.median(gateway_rates) / statistics.median(direct_rates), 3)
+    FIGURES["load average (1 min) when measured, on this many cores"] = f"{os.getloadavg()[0]:.1f} / {os.cpu_count()}"
