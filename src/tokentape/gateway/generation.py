@@ -9,6 +9,7 @@ generation the engine failed is marked (`engine_fault`): its tokens are not reco
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,10 @@ class ChoiceRun:
         self.completed = False
         self.engine_fault = False  # the engine failed: what it sent is not recorded
         self.reply = ParsedReply("", None)
+        # monotonic times: the last engine call, its first and its latest token (for metrics)
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self._pending: list[SampledToken] = []
         self._assembler = TextAssembler()
         self._stops = StopStringFilter(sampling.stop)
@@ -97,11 +102,14 @@ class ChoiceRun:
         for attempt in range(ENGINE_ATTEMPTS):
             try:
                 self._on_engine_call()
+                self.started_at = time.monotonic()
                 generation = self.engine.generate(
                     self.prompt, self.sampling, seed=self.sampling.choice_seed(self.index), session_id=self.session_id
                 )
                 async with contextlib.aclosing(generation):
                     async for sample in generation:
+                        self.last_token_at = time.monotonic()
+                        self.first_token_at = self.first_token_at or self.last_token_at
                         self.tokens.append(sample)
                         self._pending.append(sample)
                         piece = self.tokenizer.token_bytes(sample.token_id)

@@ -24,7 +24,7 @@ from tokentape.core.tape import path_tokens
 from tokentape.engines.base import Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
-from tokentape.errors import ContextOverflow, InvalidRequest
+from tokentape.errors import ContextOverflow, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
     ChatCall,
@@ -38,6 +38,7 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
+from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
 
 __all__ = [
@@ -80,6 +81,8 @@ class Gateway:
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
+        self.metrics = GatewayMetrics()
+        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,7 +185,11 @@ class Gateway:
                     for event in replayed:
                         yield event
                     return
-            ticket.claim()
+            try:
+                ticket.claim()
+            except Overloaded:
+                self.metrics.overloaded()
+                raise
             if completion_prompt is not None:
                 plan = Planner.completion(session.tree, completion_prompt)
             else:
@@ -209,6 +216,7 @@ class Gateway:
             created=not existed,
             key=call.request_key,
             track_write=self._track_write,
+            on_written=self.metrics.store_write,
         )
 
     def _track_write(self, write: asyncio.Task[None]) -> None:
@@ -279,9 +287,11 @@ class Gateway:
             async for delta in run.stream():
                 yield delta
         finally:
+            self._observe_generation(run)
             # Record even a cut-short generation: every sampled token stays on the tape.
             # Not what a failed engine answer sent before it failed: that is not trusted.
             if (run.tokens or run.completed) and not run.engine_fault:
+                rewrites = len(session.tree.rewrites)
                 node = session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in run.tokens],
@@ -298,6 +308,11 @@ class Gateway:
                     template_inputs=plan.template_inputs,
                 )
                 write = ticket.write(node)
+                self.metrics.turn_recorded(
+                    prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish
+                )
+                for rewrite in session.tree.rewrites[rewrites:]:
+                    self.metrics.rewrite(rewrite.kind)
         assert write is not None  # a generation that ended normally was recorded above
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
@@ -305,3 +320,9 @@ class Gateway:
 
     def _count_engine_call(self) -> None:
         self.engine_calls += 1
+
+    def _observe_generation(self, run: ChoiceRun) -> None:
+        if run.started_at is None or run.last_token_at is None:
+            return  # no token came: nothing to time
+        first = None if run.first_token_at is None else run.first_token_at - run.started_at
+        self.metrics.generation(seconds=run.last_token_at - run.started_at, first_token_seconds=first)

@@ -167,6 +167,10 @@ class SessionRegistry:
             return PrefixMatch("matched", found[0], 1)
         return PrefixMatch("ambiguous" if found else "unmatched", None, len(found))
 
+    def live(self) -> int:
+        """Sessions in memory and not finished."""
+        return sum(1 for session in self._sessions.values() if not session.tree.outcome.finished)
+
     def _load(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)
         if session is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -61,6 +62,7 @@ class Ticket:
         created: bool,
         key: bytes | None,
         track_write: Callable[[asyncio.Task[None]], None],
+        on_written: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.sessions = sessions
         self.admission = admission
@@ -69,6 +71,7 @@ class Ticket:
         self.key = key
         self.request: int | None = None  # the session's number for this request, once claimed
         self._track_write = track_write
+        self._on_written = on_written  # seconds one turn's store write took
         self._claim: Claim | None = None
         self._admitted = False
         self._in_flight = False
@@ -135,7 +138,9 @@ class Ticket:
 
         async def save() -> None:
             try:
+                started = time.monotonic()
                 saved = await self.sessions.store.save_turn(self.session.tree, node, self.key)
+                self._on_written(time.monotonic() - started)
             except Exception as exc:
                 self.session.unstored.add(node.id)
                 raise StoreFailure(f"turn {node.id} of session {self.session.id!r} was not stored: {exc}") from exc

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request, Response
 from starlette.convertors import Convertor, register_url_convertor
 
 from tokentape.core.messages import flatten_text_parts
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
+from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
 from tokentape.server.errors import install_error_handlers, invalid_from_validation
@@ -158,6 +159,12 @@ def create_app(
     app.include_router(openai_routes, prefix="/v1")
     app.include_router(openai_routes, prefix="/sessions/{session_id:session}/v1", dependencies=[Depends(_session_path)])
     app.add_api_route("/health", health, methods=["GET"])
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus metrics: sessions, turns, tokens, rewrites, engine and store latency, 429s."""
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
