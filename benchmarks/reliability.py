@@ -17,7 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.reliability import suite  # noqa: E402
+from tests.reliability import engine_faults, storm, suite  # noqa: E402
 
 from tokentape.launcher import running_server  # noqa: E402
 
@@ -53,6 +53,14 @@ async def main(args: argparse.Namespace) -> None:
             f"{figures['kinds']} kinds, {figures['answered_4xx_openai']} answered 4xx OpenAI errors, "
             f"healthy {figures['healthy']}, sessions unchanged {figures['sessions_unchanged']}",
         )
+        figures = await suite.odd_session_ids(server, requests=args.odd_requests)
+        report(
+            "odd session ids",
+            figures,
+            f"{figures['requests']} requests (slashes, percent-encoding, .., control characters): "
+            f"{figures['responses_5xx']} responses 5xx, bad ids not answered 400: "
+            f"{len(figures['bad_ids_not_rejected_400'])}, still serving {figures['healthy']}",
+        )
         figures = await suite.kill_loop(Path(scratch), cycles=args.kill_cycles, sessions=4)
         report(
             "SIGKILL loop",
@@ -65,8 +73,10 @@ async def main(args: argparse.Namespace) -> None:
         report(
             "disconnect storm",
             figures,
-            f"{figures['generations_aborted']}/{figures['disconnects']} generations aborted "
-            f"({100 * figures['aborted_ratio']:.0f}%)",
+            f"{figures['generations_aborted']}/{figures['clients']} generations aborted "
+            f"({100 * figures['aborted_ratio']:.0f}%), at most "
+            f"{figures['max_tokens_generated_after_the_last_received']} tokens generated past the last one "
+            f"received, {figures['tokens_generated_not_on_the_tape']} not on the tape",
         )
         figures = await suite.retry_storm(server, requests=args.retry_requests, retries=2)
         report(
@@ -81,6 +91,32 @@ async def main(args: argparse.Namespace) -> None:
             figures,
             f"{figures['sessions']} sessions: RSS +{figures['rss_growth_mb_per_1000_sessions']} MB per 1,000, "
             f"open files {figures['open_files_growth']:+d}, {figures['sessions_in_memory_at_end']} in memory",
+        )
+    figures = await storm.storm_figures(abandoned=args.abandoned, clients=args.storm_clients)
+    report(
+        "abandon-and-retry storm",
+        figures,
+        f"{figures['abandoned']} abandoned by {figures['clients']} clients: engine sockets "
+        f"{figures['engine_sockets_before']} before, {figures['engine_sockets_after']} after; "
+        f"answers {figures['answers_after']}, engine healthy {figures['engine_healthy_after']}; "
+        f"new connections per request {figures['new_connections_per_request_sequential']} "
+        f"(16 at once: {figures['new_connections_per_request_16_concurrent']})",
+    )
+    for kind in ("vllm", "vllm-generate", "sglang"):
+        figures = await engine_faults.adapter_run(kind)
+        report(
+            f"malformed {kind} answers (adapter)",
+            figures,
+            f"{figures['mutations']} mutations: {figures['engine_error']} engine errors, "
+            f"{figures['request_error']} request errors, {figures['tokens']} harmless, "
+            f"{len(figures['unexpected'])} unexpected",
+        )
+        figures = await engine_faults.gateway_run(kind, limit=args.engine_fault_requests)
+        report(
+            f"malformed {kind} answers (gateway)",
+            figures,
+            f"{figures['mutations']} requests: statuses {figures['statuses']}, {len(figures['bad'])} bad "
+            "(>= 500 other than 502/503, no message, or the session changed)",
         )
     with running_server(["--context-length", "4096", "--max-waiting", str(args.max_waiting)]) as small:
         figures = await suite.overload(small, offered=args.offered, waves=3)
@@ -100,10 +136,14 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fuzz-examples", type=int, default=150)
+    parser.add_argument("--odd-requests", type=int, default=2000)
     parser.add_argument("--kill-cycles", type=int, default=5)
     parser.add_argument("--disconnects", type=int, default=30)
     parser.add_argument("--retry-requests", type=int, default=16)
     parser.add_argument("--soak-sessions", type=int, default=5000)
     parser.add_argument("--max-waiting", type=int, default=4)
     parser.add_argument("--offered", type=int, default=16)
+    parser.add_argument("--abandoned", type=int, default=5000)
+    parser.add_argument("--storm-clients", type=int, default=48)
+    parser.add_argument("--engine-fault-requests", type=int, default=400)
     asyncio.run(main(parser.parse_args()))

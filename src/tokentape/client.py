@@ -103,11 +103,20 @@ class InProcessGateway(GatewayClient):
     `aclose()` closes a gateway it built (a gateway passed in stays its owner's to close)."""
 
     def __init__(
-        self, settings: RuntimeSettings | None = None, *, gateway: Gateway | None = None, model: str | None = None
+        self,
+        settings: RuntimeSettings | None = None,
+        *,
+        gateway: Gateway | None = None,
+        model: str | None = None,
+        match_prefix: bool | None = None,
     ) -> None:
+        """`match_prefix`: calls that name no session continue the one live session their history
+        extends (as `tokentape serve --match-prefix`); None keeps the setting of `settings`/`gateway`."""
         self._owns_gateway = gateway is None
         if gateway is None:
             gateway, model = build_gateway(settings or RuntimeSettings())
+        if match_prefix is not None:
+            gateway.sessions.match_prefix = match_prefix
         self.gateway = gateway
         self.app = create_app(gateway, model_id=model or gateway.engine.model_id)
         http = httpx2.AsyncClient(transport=_StartingTransport(self.app, gateway), base_url=BASE, timeout=None)

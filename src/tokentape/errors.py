@@ -6,7 +6,9 @@ TokentapeError                 base; carries an OpenAI error type and code
 ├── NotFound                   404 unknown model, session or route
 ├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
 ├── Overloaded                 429 queue full; retry later
-├── EngineFailure              500 the engine failed while generating
+├── EngineFailure              502 the engine failed: transport error or a 5xx answer
+│   └── EngineProtocolError    502 the engine answered something its protocol does not allow
+├── EngineUnavailable          503 no engine is healthy right now; retry later
 └── StoreFailure               500 a turn could not be written (it is not acknowledged)
 """
 
@@ -16,6 +18,8 @@ __all__ = [
     "Conflict",
     "ContextOverflow",
     "EngineFailure",
+    "EngineProtocolError",
+    "EngineUnavailable",
     "InvalidRequest",
     "NotFound",
     "Overloaded",
@@ -30,6 +34,7 @@ class TokentapeError(Exception):
     status = 500
     error_type = "server_error"
     default_code: str | None = None
+    retry_after: float | None = None  # seconds; sent as Retry-After when set
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -81,11 +86,33 @@ class Overloaded(TokentapeError):
 
 
 class EngineFailure(TokentapeError):
-    """The engine failed while generating."""
+    """The engine failed: it could not be reached, dropped the connection, or answered 5xx. Counts
+    against the engine's health when it happens before the first token."""
 
-    status = 500
+    status = 502
     error_type = "server_error"
     default_code = "engine_error"
+    engine_down = True  # whether this says something about the engine rather than about one request
+
+
+class EngineProtocolError(EngineFailure):
+    """The engine answered, but with something its wire format does not allow (a malformed event, a
+    logprob of an unexpected shape). The request fails; the engine stays in rotation."""
+
+    default_code = "engine_protocol_error"
+    engine_down = False
+
+
+class EngineUnavailable(TokentapeError):
+    """No engine can take the request right now (all unhealthy or draining)."""
+
+    status = 503
+    error_type = "server_error"
+    default_code = "engine_unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class StoreFailure(TokentapeError):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokentape.core.tape import RewritePolicy
+from tokentape.engines.base import Engine
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
@@ -52,6 +53,7 @@ class RuntimeSettings:
     engines: tuple[str, ...] = ()  # KIND=URL remote engines; none: the embedded llama.cpp engine
     max_waiting: int = 64
     memory: MemoryLimits = field(default_factory=MemoryLimits)
+    match_prefix: bool = False  # unnamed chat requests continue the one live session their history extends
 
 
 def gguf_renderer(path: Path) -> Renderer:
@@ -73,15 +75,21 @@ def hf_renderer(directory: Path) -> Renderer:
     return Renderer(template, tokenizer)
 
 
-def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str | None]:
-    """The gateway and the model name it serves (None: whatever the remote engines serve)."""
+def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tuple[Gateway, str | None]:
+    """The gateway and the model name it serves (None: whatever the remote engines serve). An
+    `engine` given here (e.g. engines shared by a cluster) replaces the one the settings describe."""
     path = settings.model_path or embedded_model_path()
     if not path.is_file():
         raise NotFound(f"no model file at {path}")
     renderer = hf_renderer(settings.tokenizer_dir) if settings.tokenizer_dir else gguf_renderer(path)
-    registry = SessionRegistry(settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory)
+    registry = SessionRegistry(
+        settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory, match_prefix=settings.match_prefix
+    )
+    if engine is not None:
+        name = settings.served_model_name or (None if settings.engines else _file_model_name(settings, path))
+        return Gateway(engine, renderer, registry, max_waiting=settings.max_waiting), name
     if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
-        router = Router([make_engine(spec) for spec in settings.engines])
+        router = Router([make_engine(spec) for spec in settings.engines], vocab_size=renderer.tokenizer.vocab_size)
         gateway = Gateway(router, renderer, registry, max_waiting=settings.max_waiting)
         return gateway, settings.served_model_name
     engine = LlamaCppEngine(
@@ -93,5 +101,8 @@ def build_gateway(settings: RuntimeSettings) -> tuple[Gateway, str | None]:
             f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
         )
     gateway = Gateway(engine, renderer, registry, max_waiting=settings.max_waiting)
-    name = settings.served_model_name or ("smollm2-135m-instruct" if settings.model_path is None else path.stem)
-    return gateway, name
+    return gateway, settings.served_model_name or _file_model_name(settings, path)
+
+
+def _file_model_name(settings: RuntimeSettings, path: Path) -> str:
+    return "smollm2-135m-instruct" if settings.model_path is None else path.stem

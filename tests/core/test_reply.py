@@ -20,6 +20,8 @@ CALLS: dict[ToolFormat, str] = {
     "llama3": '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": [2, 3]}}',
     "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
     '{"a": 1, "b": [2, 3]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "minimax": '<minimax:tool_call>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
+    '<parameter name="b">[2, 3]</parameter>\n</invoke>\n</minimax:tool_call>',
 }
 
 

@@ -46,3 +46,36 @@ def test_text_that_may_start_a_stop_string_is_held_back() -> None:
     assert filt.feed("42</ans") == "42"
     assert filt.feed("wer> more") == ""
     assert filt.stopped
+
+
+@st.composite
+def _text_with_overlapping_stops(draw: st.DrawFn) -> tuple[str, list[str]]:
+    """Text over a small alphabet, a stop cut from it and a shorter stop inside that one (starting
+    later), plus a few more: the stops overlap and nest, which is where cutting goes wrong."""
+    text = draw(st.text(alphabet="abcd", min_size=2, max_size=16))
+    start = draw(st.integers(0, len(text) - 2))
+    longer = text[start : draw(st.integers(start + 2, min(len(text), start + 5)))]
+    inner = draw(st.integers(1, len(longer) - 1))
+    stops = [longer, longer[inner : draw(st.integers(inner + 1, len(longer)))]]
+    stops += draw(st.lists(st.text(alphabet="abcd", min_size=1, max_size=4), max_size=2))
+    return text, draw(st.permutations(stops))
+
+
+@given(_text_with_overlapping_stops(), st.lists(st.integers(0, 16), max_size=8))
+def test_overlapping_stop_strings_cut_at_the_earliest_match_however_the_deltas_split(
+    case: tuple[str, list[str]], cuts: list[int]
+) -> None:
+    text, stops = case
+    filt = StopStringFilter(stops)
+    out = "".join(filt.feed(d) for d in split_at(text, cuts)) + filt.finish()
+    earliest = min(i for i in (text.find(s) for s in stops) if i >= 0)  # at least one stop is in the text
+    assert filt.stopped and out == text[:earliest]
+
+
+def test_a_longer_stop_that_starts_earlier_wins_over_a_shorter_one_inside_it() -> None:
+    for deltas in (["abcd"], list("abcd"), ["ab", "cd"], ["abc", "d"]):
+        filt = StopStringFilter(["bcd", "c"])
+        assert "".join(filt.feed(d) for d in deltas) + filt.finish() == "a", deltas
+        assert filt.stopped
+    filt = StopStringFilter(["bcd", "c"])  # "bcx": the longer stop never completes; "c" cuts
+    assert "".join(filt.feed(d) for d in "abcx") + filt.finish() == "ab"

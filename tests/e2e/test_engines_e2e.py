@@ -83,7 +83,7 @@ async def test_drain_sends_new_sessions_elsewhere(pool: tuple[RunningServer, lis
     server, states = pool
     drained_url = states[0][0]
     listed = httpx.post(f"{server.base_url}/admin/engines", json={"drain": drained_url}).json()["data"]
-    assert any(e["url"] == drained_url and e["draining"] for e in listed) or len(listed) == 2
+    assert len(listed) == 3 and [e["draining"] for e in listed if e["url"] == drained_url] == [True]
     for i in range(4):
         await _turn(server, f"d{i}", [{"role": "user", "content": f"Hi {i}"}])
     assert all(0 not in _engine_of(states, f"d{i}") for i in range(4))
@@ -126,3 +126,48 @@ async def test_pause_with_abort_stops_running_generations(
     httpx.post(f"{server.base_url}/admin/resume", json={})
     (branch,) = httpx.get(f"{server.base_url}/sessions/a/export").json()["branches"]
     assert branch["finish_reasons"] == ["abort"] and sum(branch["loss_mask"]) == len(reply["choices"][0]["token_ids"])
+
+
+async def test_each_turn_records_its_engines_logprob_mode(
+    pool: tuple[RunningServer, list[tuple[str, FakeState]]],
+) -> None:
+    server, states = pool
+    # vLLM at its default (raw_logprobs) reports raw values at temperature 0.5; SGLang scales them
+    for _, state in states:
+        state.delay = 0.05  # the three overlap, so least-loaded placement puts one on each engine
+
+    async def turn(i: int) -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            response = await http.post(
+                f"/sessions/m{i}/v1/chat/completions",
+                json={
+                    "model": "fake-model",
+                    "messages": [{"role": "user", "content": f"Mode {i}"}],
+                    "max_tokens": 5,
+                    "temperature": 0.5,
+                },
+            )
+            assert response.status_code == 200, response.text
+
+    await asyncio.gather(*(turn(i) for i in range(3)))
+    assert sorted(_engine_of(states, f"m{i}")[0] for i in range(3)) == [0, 1, 2]
+    for i in range(3):
+        (home,) = _engine_of(states, f"m{i}")
+        export = httpx.get(f"{server.base_url}/sessions/m{i}/export").json()
+        expected = "temperature_scaled_untruncated" if home == 2 else "raw"  # engine 2 is the SGLang one
+        assert export["branches"][0]["logprob_modes"] == [expected]
+        assert export["logprob_mode"] == expected
+
+
+def test_no_healthy_engine_is_503_with_retry_after() -> None:
+    state = FakeState(healthy=False)
+    with serving(vllm_app(state)) as url, running_server(["--engine", f"vllm={url}"]) as server:
+        state.fail_next = 10
+        response = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+            timeout=30,
+        )
+        assert response.status_code == 503, response.text
+        assert int(response.headers["retry-after"]) >= 1
+        assert "no healthy engine" in response.json()["error"]["message"]

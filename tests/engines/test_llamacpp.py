@@ -113,3 +113,14 @@ async def test_generation_leaves_the_event_loop_free(engine: LlamaCppEngine, ren
     await task
     assert len(gaps) > 10
     assert max(gaps) < 0.25
+
+
+async def test_generations_say_their_logprobs_are_temperature_scaled(engine: LlamaCppEngine) -> None:
+    # the sampler records log_softmax(logits / temperature) untruncated; greedy records temperature 1
+    prompt = [1, 4093, 198]
+    for params, expected in [
+        (SamplingParams(max_tokens=2, temperature=0.7, top_p=0.5), "temperature_scaled_untruncated"),
+        (SamplingParams(max_tokens=2, temperature=0.0), "raw"),
+    ]:
+        modes = {t.logprob_mode async for t in engine.generate(prompt, params, seed=1)}
+        assert modes == {expected}

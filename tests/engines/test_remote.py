@@ -1,17 +1,36 @@
-"""Remote engine adapters against local servers speaking vLLM's and SGLang's wire formats."""
+"""Remote engine adapters against local stand-ins speaking vLLM's and SGLang's wire formats
+(tests/support/fake_engines.py: a test instrument, not a model)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
 
+import anyio
 import pytest
 
-from tests.support.fake_engines import END_OF_TURN, FakeState, script, serving, sglang_app, vllm_app
+from tests.support.fake_engines import (
+    END_OF_TURN,
+    FakeState,
+    alternatives,
+    script,
+    serving,
+    sglang_app,
+    vllm_app,
+)
 from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import Constraint
 from tokentape.engines.remote import RemoteEngine, SGLangEngine, VLLMEngine, VLLMGenerateEngine, make_engine
-from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
+from tokentape.engines.router import Router
+from tokentape.errors import (
+    ContextOverflow,
+    EngineFailure,
+    EngineProtocolError,
+    EngineUnavailable,
+    InvalidRequest,
+)
 
 PROMPT = [1, 4093, 198, 19556, 2]
 ADAPTERS = [
@@ -31,8 +50,10 @@ def remote(request: pytest.FixtureRequest) -> Iterator[tuple[RemoteEngine, FakeS
         yield engine, state
 
 
-async def _run(engine: RemoteEngine, params: SamplingParams, seed: int | None = 3) -> list[tuple[int, float]]:
-    return [(t.token_id, t.logprob) async for t in engine.generate(PROMPT, params, seed=seed, session_id="s-1")]
+async def _run(
+    engine: RemoteEngine, params: SamplingParams, seed: int | None = 3, session_id: str | None = "s-1"
+) -> list[tuple[int, float]]:
+    return [(t.token_id, t.logprob) async for t in engine.generate(PROMPT, params, seed=seed, session_id=session_id)]
 
 
 async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEngine, FakeState]) -> None:
@@ -51,7 +72,19 @@ async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEn
         assert sent["prompt"] == PROMPT and sent["return_token_ids"] is True and sent["stream"] is True
         assert sent["seed"] == 3 and sent["temperature"] == 0.7
     else:
-        assert sent["token_ids"] == PROMPT and sent["sampling_params"]["logprobs"] >= 1
+        assert sent["token_ids"] == PROMPT and sent["stream"] is True and sent["sampling_params"]["logprobs"] >= 1
+
+
+async def test_top_logprobs_are_the_most_likely_best_first(remote: tuple[RemoteEngine, FakeState]) -> None:
+    # vLLM lists the sampled token first whatever its rank; the adapter must report the k most likely
+    engine, _ = remote
+    params = SamplingParams(max_tokens=100, top_logprobs=3, logprobs=True)
+    tokens = [t async for t in engine.generate(PROMPT, params, seed=3)]
+    assert len(tokens) == len(script(PROMPT, 3))
+    for token, (sampled, logprob) in zip(tokens, script(PROMPT, 3), strict=True):
+        assert list(token.top_logprobs) == alternatives(sampled, logprob, 3)
+    # the case that matters: somewhere the sampled token is not the most likely one
+    assert any(t.top_logprobs[0][0] != t.token_id for t in tokens)
 
 
 async def test_truncation_and_stop_tokens(remote: tuple[RemoteEngine, FakeState]) -> None:
@@ -66,8 +99,10 @@ async def test_truncation_and_stop_tokens(remote: tuple[RemoteEngine, FakeState]
 async def test_upstream_errors_map_to_the_error_tree(remote: tuple[RemoteEngine, FakeState]) -> None:
     engine, state = remote
     state.fail_next = 1
-    with pytest.raises(EngineFailure):
+    with pytest.raises(EngineFailure) as failure:
         await _run(engine, SamplingParams(max_tokens=4))
+    assert failure.value.engine_down and failure.value.status == 502
+    assert "died" in failure.value.message  # the engine's words
     if engine.kind == "vllm":
         with pytest.raises(ContextOverflow):
             await _run(engine, SamplingParams(max_tokens=5000))
@@ -75,8 +110,6 @@ async def test_upstream_errors_map_to_the_error_tree(remote: tuple[RemoteEngine,
 
 async def test_closing_early_aborts_upstream(remote: tuple[RemoteEngine, FakeState]) -> None:
     engine, state = remote
-    if engine.kind == "vllm-generate":
-        pytest.skip("the token endpoint answers in one piece: there is nothing to abort midway")
     state.delay = 0.05
     stream = engine.generate(PROMPT, SamplingParams(max_tokens=100), seed=1)
     async with contextlib.aclosing(stream):
@@ -89,8 +122,204 @@ async def test_closing_early_aborts_upstream(remote: tuple[RemoteEngine, FakeSta
     assert state.aborted == 1
 
 
+async def test_finished_generations_reuse_one_connection(remote: tuple[RemoteEngine, FakeState]) -> None:
+    engine, state = remote
+    for _ in range(20):
+        # the caller stops at the end-of-turn token, before the stream's `[DONE]`, as the gateway does
+        async for token in engine.generate(PROMPT, SamplingParams(max_tokens=100), seed=1):
+            if token.token_id == END_OF_TURN:
+                break
+    assert len(state.requests) == 20
+    assert len(state.peers) == 1  # one TCP connection for all twenty
+
+
+async def test_cancelled_generations_release_their_connections(remote: tuple[RemoteEngine, FakeState]) -> None:
+    """Cancelled by plain task cancellation and inside an anyio cancel scope (as Starlette cancels a
+    streaming response whose client left), at every point of the exchange: no pool slot is lost, so a
+    pool of four still carries four generations at once afterwards."""
+    engine, state = remote
+    engine = type(engine)(engine.base_url, max_connections=4)
+    state.delay = 0.002
+
+    async def consume() -> None:
+        async for _ in engine.generate(PROMPT, SamplingParams(max_tokens=100), seed=1):
+            pass
+
+    for i in range(200):
+        if i % 4:
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep((i % 50) * 0.0005)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        else:
+            with anyio.move_on_after((i % 50) * 0.0005):
+                await consume()
+    state.delay = 1.0
+    sent = len(state.requests)
+    slow = [asyncio.ensure_future(consume()) for _ in range(4)]
+    for _ in range(40):
+        await asyncio.sleep(0.05)
+        if len(state.requests) - sent == 4:
+            break
+    assert len(state.requests) - sent == 4  # a lost slot keeps one of them waiting for the pool
+    for task in slow:
+        task.cancel()
+    await asyncio.gather(*slow, return_exceptions=True)
+    assert await engine.check_health()
+    await engine.close()
+
+
+async def test_health_is_probed_on_its_own_connection() -> None:
+    state = FakeState(delay=0.2)
+    with serving(vllm_app(state)) as url:
+        engine = VLLMEngine(url, max_connections=2)
+        busy = [asyncio.ensure_future(_run(engine, SamplingParams(max_tokens=100))) for _ in range(4)]
+        await asyncio.sleep(0.3)  # the generation pool is full, two more wait for it
+        assert await asyncio.wait_for(engine.check_health(), 2.0)
+        state.healthy = False
+        assert not await asyncio.wait_for(engine.check_health(), 2.0)
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        await engine.close()
+
+
+async def test_a_session_id_that_is_no_header_value_is_sent_quoted(remote: tuple[RemoteEngine, FakeState]) -> None:
+    engine, state = remote
+    got = await _run(engine, SamplingParams(max_tokens=3), session_id="abc\n")
+    assert got == script(PROMPT, 3)[:3]
+    assert state.session_headers[-1] == "abc%0A"
+
+
+async def test_only_the_engines_own_failures_take_it_out_of_rotation() -> None:
+    state = FakeState()
+    with serving(vllm_app(state)) as url:
+        router = Router([VLLMEngine(url)])
+        (engine,) = router.engines
+
+        async def turn(params: SamplingParams) -> None:
+            async for _ in router.generate(PROMPT, params, seed=1, session_id="s"):
+                pass
+
+        with pytest.raises(ContextOverflow):  # a 4xx about this request
+            await turn(SamplingParams(max_tokens=5000))
+        assert engine.healthy
+        state.mangle = lambda i, event: b"{not json"
+        with pytest.raises(EngineProtocolError):  # malformed: the request fails, the engine stays
+            await turn(SamplingParams(max_tokens=5))
+        assert engine.healthy
+        state.mangle = None
+        state.fail_next = 1
+        with pytest.raises(EngineFailure):  # a 5xx: the engine's failure
+            await turn(SamplingParams(max_tokens=5))
+        assert not engine.healthy
+        # no engine in rotation: it is probed at once, found healthy, and serves
+        await turn(SamplingParams(max_tokens=5))
+        assert engine.healthy
+        state.healthy = False
+        state.fail_next = 1
+        with pytest.raises(EngineFailure):
+            await turn(SamplingParams(max_tokens=5))
+        await asyncio.sleep(1.1)  # past the re-probe interval: the probe says 503, so 503 here
+        with pytest.raises(EngineUnavailable) as unavailable:
+            await turn(SamplingParams(max_tokens=5))
+        assert unavailable.value.status == 503 and unavailable.value.retry_after == router.health_interval
+        await router.close()
+
+
+async def test_token_ids_outside_the_vocabulary_are_protocol_faults(remote: tuple[RemoteEngine, FakeState]) -> None:
+    engine, _ = remote
+    engine.vocab_size = 1000  # the script samples IDs from 300 to 30300
+    with pytest.raises(EngineProtocolError, match="not a token of this model"):
+        await _run(engine, SamplingParams(max_tokens=5))
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode", "params", "expected"),
+    [
+        # the embedded engine's own formula is checked in test_llamacpp; these follow the engines' sources
+        ("vllm", None, SamplingParams(temperature=0.7), "raw"),  # raw_logprobs ignore temperature
+        ("vllm", None, SamplingParams(temperature=1.0, top_p=0.5), "temperature_scaled_untruncated"),
+        ("vllm", None, SamplingParams(temperature=0.0), "raw"),
+        ("vllm", "processed_logprobs", SamplingParams(temperature=0.7), "temperature_scaled_untruncated"),
+        ("vllm", "processed_logprobs", SamplingParams(temperature=0.7, top_p=0.5), "temperature_scaled_truncated"),
+        ("vllm", "processed_logprobs", SamplingParams(temperature=0.7, top_k=5), "temperature_scaled_truncated"),
+        ("vllm", "processed_logprobs", SamplingParams(temperature=0.7, min_p=0.1), "temperature_scaled_truncated"),
+        ("vllm-generate", "processed_logprobs", SamplingParams(temperature=0.0, top_p=0.5), "raw"),
+        ("sglang", None, SamplingParams(temperature=0.7), "temperature_scaled_untruncated"),
+        ("sglang", None, SamplingParams(temperature=0.7, top_p=0.9), "temperature_scaled_truncated"),
+        ("sglang", None, SamplingParams(temperature=0.7, top_k=5), "temperature_scaled_untruncated"),  # top-k not
+        ("sglang", "original", SamplingParams(temperature=0.7, top_p=0.9), "raw"),
+        ("sglang", None, SamplingParams(temperature=0.0), "raw"),
+    ],
+)
+def test_logprob_mode_follows_engine_and_sampling(
+    kind: str, mode: str | None, params: SamplingParams, expected: str
+) -> None:
+    spec = f"{kind}=http://127.0.0.1:1" + (f",logprobs-mode={mode}" if mode else "")
+    assert make_engine(spec).logprob_mode(params) == expected
+
+
+async def test_each_generation_reports_its_logprob_mode(remote: tuple[RemoteEngine, FakeState]) -> None:
+    engine, _ = remote
+    params = SamplingParams(max_tokens=3, temperature=0.5)
+    modes = {t.logprob_mode async for t in engine.generate(PROMPT, params, seed=1)}
+    assert modes == {"raw" if engine.kind.startswith("vllm") else "temperature_scaled_untruncated"}
+
+
+@pytest.mark.parametrize(
+    ("constraint", "vllm_field", "sglang_field"),
+    [
+        (
+            Constraint("json_schema", '{"type": "object"}'),
+            {"json": {"type": "object"}},
+            ("json_schema", '{"type": "object"}'),
+        ),
+        (Constraint("regex", "[0-9]+"), {"regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        (Constraint("grammar", 'root ::= "a"'), {"grammar": 'root ::= "a"'}, ("ebnf", 'root ::= "a"')),
+    ],
+)
+async def test_constraints_map_to_each_engines_fields(
+    remote: tuple[RemoteEngine, FakeState], constraint: Constraint, vllm_field: object, sglang_field: tuple[str, str]
+) -> None:
+    engine, state = remote
+    async for _ in engine.generate(PROMPT, SamplingParams(max_tokens=2), seed=1, constraint=constraint):
+        pass
+    sent = state.requests[-1]
+    if engine.kind == "vllm":
+        assert sent["structured_outputs"] == vllm_field
+    elif engine.kind == "vllm-generate":
+        assert sent["sampling_params"]["structured_outputs"] == vllm_field
+    else:
+        name, value = sglang_field
+        assert sent["sampling_params"][name] == value
+
+
+async def test_a_constraint_that_is_not_valid_is_the_requests_error(remote: tuple[RemoteEngine, FakeState]) -> None:
+    engine, state = remote
+    if engine.kind == "sglang":
+        pytest.skip("SGLang takes the schema as text and checks it itself")
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        async for _ in engine.generate(
+            PROMPT, SamplingParams(max_tokens=2), seed=1, constraint=Constraint("json_schema", "{")
+        ):
+            pass
+    assert state.requests == []  # nothing was sent
+
+
 def test_engine_specs_are_checked() -> None:
     assert isinstance(make_engine("sglang=http://127.0.0.1:30000"), SGLangEngine)
-    for bad in ("vllm", "tgi=http://x", "vllm=ftp://x"):
+    engine = make_engine("vllm=http://127.0.0.1:8000,logprobs-mode=processed_logprobs")
+    assert engine.logprobs_mode == "processed_logprobs" and engine.base_url == "http://127.0.0.1:8000"
+    for bad in ("vllm", "tgi=http://x", "vllm=ftp://x", "vllm=http://x,logprobs-mode=odd", "vllm=http://x,mode=raw"):
         with pytest.raises(InvalidRequest):
             make_engine(bad)
+
+
+def test_json_in_error_events_is_quoted_with_the_engines_words() -> None:
+    engine = VLLMEngine("http://127.0.0.1:1")
+    error = engine._error_from(503, json.dumps({"object": "error", "message": "KV cache full"}).encode())
+    assert isinstance(error, EngineFailure) and "KV cache full" in error.message
+    refused = engine._error_from(422, b'{"detail": "bad"}')
+    assert isinstance(refused, InvalidRequest)

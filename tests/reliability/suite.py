@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
@@ -129,13 +130,12 @@ def malformed_cases() -> list[tuple[str, str, str, bytes, dict[str, str]]]:
         ),
         ("prompt beyond the context", "POST", "/v1/chat/completions", _bytes(_chat("word " * 6000)), j),
         ("bad session id", "POST", "/sessions/..%2F..%2Fetc/v1/chat/completions", _bytes(_chat()), j),
-        # a header and a body field that disagree (a base URL would win, the other kept as a trace id)
         (
             "conflicting session ids",
             "POST",
             "/v1/chat/completions",
             _bytes(_chat(session_id="b")),
-            {**j, "X-Session-ID": "a"},
+            {**j, "x-session-id": "a"},
         ),
         (
             "completion token out of vocabulary",
@@ -246,31 +246,51 @@ async def kill_loop(tmp: Path, *, cycles: int, sessions: int, seed: int = 0) -> 
 
 # -- disconnect storm ----------------------------------------------------------------------------------------
 async def disconnect_storm(server: RunningServer, *, clients: int, seed: int = 0) -> Figures:
+    """Clients that leave mid-stream, one at a time. Every generation must end as `abort`: one that
+    ran to `length` or `stop` despite the client leaving counts as a failure. At the engine: every
+    token it generated is on the tape, and how far it ran past what the client had received."""
     rng = random.Random(seed)
+    aborted = 0
+    overruns: list[int] = []
+    unrecorded = 0
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
         for i in range(clients):
             body = {**_chat("Write a long story about the sea."), "max_tokens": 300, "stream": True, "seed": i}
+            before = (await http.get("/health")).json()["tokens_generated"]
             stop_after = rng.randint(1, 12)
+            received = 0
             async with http.stream("POST", f"/sessions/storm-{i}/v1/chat/completions", json=body) as response:
                 seen = 0
                 async for line in response.aiter_lines():
-                    seen += line.startswith("data: {")
+                    if line.startswith("data: {"):
+                        seen += 1
+                        received += sum(len(c.get("token_ids", [])) for c in orjson.loads(line[6:])["choices"])
                     if seen >= stop_after:
                         break
-        await asyncio.sleep(1.0)
-        aborted = 0
-        finished_anyway = 0
-        for i in range(clients):
+            generated = await _settled_tokens(http) - before
             (branch,) = (await http.get(f"/sessions/storm-{i}/export")).json()["branches"]
-            if branch["finish_reasons"] == ["abort"]:
-                aborted += 1
-            else:
-                finished_anyway += 1  # the model ended its turn before the client left
+            aborted += branch["finish_reasons"] == ["abort"]
+            unrecorded += generated - sum(branch["loss_mask"])
+            overruns.append(generated - received)
     return {
-        "disconnects": clients - finished_anyway,
+        "clients": clients,
         "generations_aborted": aborted,
-        "aborted_ratio": aborted / max(1, clients - finished_anyway),
+        "aborted_ratio": aborted / max(1, clients),
+        "tokens_generated_not_on_the_tape": unrecorded,
+        "max_tokens_generated_after_the_last_received": max(overruns, default=0),
     }
+
+
+async def _settled_tokens(http: httpx.AsyncClient) -> int:
+    """The engine's token count once it stops changing (generation has ended)."""
+    last = (await http.get("/health")).json()["tokens_generated"]
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        now = (await http.get("/health")).json()["tokens_generated"]
+        if now == last:
+            return int(now)
+        last = now
+    raise AssertionError("generation did not stop")
 
 
 # -- overload ---------------------------------------------------------------------------------------------
@@ -369,4 +389,91 @@ async def soak(
         "rss_growth_mb_per_1000_sessions": round(per_thousand, 2),
         "open_files_growth": fd1 - fd0,
         "sessions_in_memory_at_end": len(registry),
+    }
+
+
+# -- odd session ids ----------------------------------------------------------------------------------------
+ODD_PATH_IDS = [
+    "a/b", "a%2Fb", "a%2fb", "%2e%2e", "%2E%2E/x", "abc%0A", "abc%0D%0A", "x%00y", "a%20b", "%E2%80%AE",
+    "caf%C3%A9", "-x", "x" * 129, "%", "%zz", "a;b", "%3Cscript%3E", "..%2F..%2Fetc", "a%09b", "%0A",
+]  # fmt: skip
+ODD_VALUES = ["abc\n", "..", "../etc", "a/b", "a b", "-x", "x" * 129, "\u00e9", "a\u0000b", "<x>", "a\tb", " x"]
+GOOD_IDS = ["ok", "a" * 128, "ok-1.2:3_x", "Z9"]
+
+
+async def _raw_status(base_url: str, request: bytes) -> int:
+    """Send bytes as they are (no client normalising `..` away) and read the status code."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        status_line = await reader.readline()
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def odd_session_ids(server: RunningServer, *, requests: int, seed: int = 0) -> Figures:
+    """Session ids with slashes, percent-encoding, `..`, control characters and unicode, through every
+    way a session is named (base URL, header, body field, POST /sessions, session routes, raw HTTP),
+    mixed with well-formed ones. No answer may be a 5xx; a bad id in a generation route is a 400
+    `invalid_session_id`; the engine stays healthy."""
+    rng = random.Random(seed)
+    statuses: dict[int, int] = {}
+    bad_not_rejected: list[tuple[str, str, int]] = []
+    chat = {**_chat(max_tokens=1)}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        for i in range(requests):
+            way = rng.choice(["path", "path-completion", "header", "body", "create", "route", "raw"])
+            good = rng.random() < 0.05
+            if way.startswith("path"):
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_PATH_IDS)
+                route = "completions" if way == "path-completion" else "chat/completions"
+                body: dict[str, Any] = (
+                    {"model": MODEL, "prompt": "Hi", "max_tokens": 1} if "completion" in way else chat
+                )
+                response = await http.post(f"/sessions/{name}/v1/{route}", json=body)
+            elif way == "header":
+                name = (
+                    rng.choice(GOOD_IDS)
+                    if good
+                    else rng.choice([v for v in ODD_VALUES if v.isascii() and v.isprintable() and v == v.strip()])
+                )
+                response = await http.post("/v1/chat/completions", json=chat, headers={"x-session-id": name})
+            elif way == "body":
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_VALUES)
+                response = await http.post(f"/sessions/s{i % 7}/v1/chat/completions", json={**chat, "session_id": name})
+            elif way == "create":
+                name = f"new-{i}" if good else rng.choice(ODD_VALUES)
+                response = await http.post("/sessions", json={"session_id": name})
+            elif way == "route":
+                name = rng.choice(GOOD_IDS) if good else rng.choice(ODD_PATH_IDS)
+                method, suffix = rng.choice([("GET", ""), ("GET", "/export"), ("POST", "/finish"), ("DELETE", "")])
+                response = await http.request(method, f"/sessions/{name}{suffix}")
+            else:
+                name = rng.choice(["..", "a/../b", "../..", "./x", "a/./b"])
+                payload = orjson.dumps(chat)
+                head = (
+                    f"POST /sessions/{name}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                )
+                status = await _raw_status(server.base_url, head.encode() + payload)
+                statuses[status] = statuses.get(status, 0) + 1
+                if status != 400:
+                    bad_not_rejected.append((way, name, status))
+                continue
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            if not good and way in ("path", "path-completion", "header", "body", "create"):
+                code = response.json().get("error", {}).get("code") if response.status_code == 400 else None
+                if code != "invalid_session_id":
+                    bad_not_rejected.append((way, name, response.status_code))
+        healthy = (await http.get("/health")).status_code == 200
+        still_serving = (await http.post("/sessions/after-odd/v1/chat/completions", json=chat)).status_code == 200
+    return {
+        "requests": requests,
+        "statuses": dict(sorted(statuses.items())),
+        "responses_5xx": sum(n for status, n in statuses.items() if status >= 500),
+        "bad_ids_not_rejected_400": bad_not_rejected[:10],
+        "healthy": healthy and still_serving,
     }

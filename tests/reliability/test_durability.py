@@ -14,13 +14,13 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
+from tests.support.gates import NoticesDisconnects
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.engines.llamacpp import LlamaCppEngine
@@ -52,29 +52,6 @@ class SlowStore(SqliteStore):
         self.entered.set()
         await asyncio.to_thread(self.gate.wait, 60)
         return await super().save_turn(tree, node, request_key)
-
-
-class NoticesDisconnects:
-    """ASGI wrapper: `noticed` is set once the app has been told a client went away, and the app has
-    had a few turns of its event loop to act on it."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.noticed = threading.Event()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        async def watched() -> dict[str, Any]:
-            message: dict[str, Any] = await receive()
-            if message["type"] == "http.disconnect":
-                asyncio.get_running_loop().create_task(self._settle())
-            return message
-
-        await self.app(scope, watched, send)
-
-    async def _settle(self) -> None:
-        for _ in range(10):
-            await asyncio.sleep(0)
-        self.noticed.set()
 
 
 Slow = tuple[str, SlowStore, threading.Event]  # the gateway's URL, its store, "it saw the client leave"

@@ -130,8 +130,9 @@ async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(re
         assert lines[-1] == "data: [DONE]"
         assert '"error"' in lines[-2] and "crashed" in lines[-2]
         assert engine.calls == 3  # tokens were sent: no second generation
-        (branch,) = (await http.get("/sessions/g/export")).json()["branches"]
-        assert sum(branch["loss_mask"]) == 2 and branch["finish_reasons"] == ["abort"]
+        # what a failed engine sent before it failed is not trusted: no turn is recorded from it
+        export = await http.get("/sessions/g/export")
+        assert export.status_code == 404 or export.json()["branches"] == []
         assert (await http.get("/health")).status_code == 200
 
 

@@ -33,7 +33,9 @@ async def test_kill_loop_loses_no_acknowledged_turn(tmp_path: Path) -> None:
 
 async def test_disconnect_storm_aborts_every_generation(server: RunningServer) -> None:
     figures = await suite.disconnect_storm(server, clients=6)
-    assert figures["disconnects"] > 0 and figures["aborted_ratio"] == 1.0
+    assert figures["generations_aborted"] == 6  # a generation that ran on after its client left fails
+    assert figures["tokens_generated_not_on_the_tape"] == 0
+    assert figures["max_tokens_generated_after_the_last_received"] <= 8  # stopped within a few tokens
 
 
 async def test_overload_rejects_with_429_and_serves_the_rest() -> None:

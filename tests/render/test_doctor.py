@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from tests.support.models import materialise
 from tokentape.cli import app
 from tokentape.errors import InvalidRequest
-from tokentape.runtime import RuntimeSettings, build_gateway
+from tokentape.render.doctor import Finding, audit
+from tokentape.runtime import RuntimeSettings, build_gateway, hf_renderer
 
 runner = CliRunner()
 
@@ -46,3 +47,27 @@ def test_doctor_reports_llama_date_header_and_trim(tmp_path: Path) -> None:
 def test_a_tokenizer_must_fit_the_engine(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="vocabulary"):
         build_gateway(RuntimeSettings(tokenizer_dir=materialise("qwen3", tmp_path), context_length=512))
+
+
+def _findings(family: str, tmp_path: Path) -> dict[str, Finding]:
+    return {f.case.strip(): f for f in audit(hf_renderer(materialise(family, tmp_path)))}
+
+
+def test_doctor_reports_deepseek_state_across_messages(tmp_path: Path) -> None:
+    state = _findings("deepseek-r1", tmp_path)["state across messages"]
+    assert state.verdict == "note" and "from the first message" in state.detail
+    assert "tool▁outputs▁begin" in state.detail
+
+
+def test_doctor_reports_tools_listed_in_the_history(tmp_path: Path) -> None:
+    findings = _findings("qwen2.5", tmp_path)
+    assert findings["tools in history"].verdict == "rewrite"
+    assert "system prompt (by the template)" in findings["tools in history"].detail
+    assert findings["state across messages"].verdict == "exact"  # Qwen2.5 carries no state across messages
+
+
+@pytest.mark.parametrize("family", ["minimax-m2", "glm-5", "qwen3.6"])
+def test_doctor_finds_no_problem_on_the_new_families(tmp_path: Path, family: str) -> None:
+    findings = _findings(family, tmp_path)
+    assert [case for case, f in findings.items() if f.verdict == "problem"] == []
+    assert findings["2 truncated turn"].verdict == "bridged"

@@ -95,7 +95,7 @@ async def test_streamed_tool_calls_and_reasoning(
             calls += choice.delta.tool_calls or []
             finish = choice.finish_reason or finish
     assert reasoning == "I should use the tool."
-    assert content.strip() == ""
+    assert content == ""
     assert finish == "tool_calls"
     (call,) = calls
     assert call.index == 0 and call.function is not None and call.function.name == "add"

@@ -9,16 +9,17 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -44,6 +45,9 @@ class FakeState:
     fail_next: int = 0  # answer 500 to this many generation requests
     delay: float = 0.0  # seconds per token
     healthy: bool = True
+    peers: set[int] = field(default_factory=set)  # client ports seen: one per TCP connection opened to it
+    # fault injection: rewrites the streamed event at each index into the bytes sent after `data: `
+    mangle: Callable[[int, dict[str, Any]], bytes] | None = None
 
 
 def _take(
@@ -63,6 +67,8 @@ async def _received(state: FakeState, request: Request) -> dict[str, Any]:
     body: dict[str, Any] = await request.json()
     state.requests.append(body)
     state.session_headers.append(request.headers.get("x-session-id"))
+    if request.client is not None:
+        state.peers.add(request.client.port)
     return body
 
 
@@ -88,12 +94,33 @@ def _common_routes(state: FakeState) -> list[Route]:
     return [Route("/health", health), Route("/v1/models", models)]
 
 
+async def _gone(_: Request, __: Exception) -> Response:
+    return Response(status_code=499)  # the gateway left before its request arrived: nothing to answer
+
+
+EXCEPTION_HANDLERS = {ClientDisconnect: _gone}
+
+
 def _error(status: int, message: str) -> JSONResponse:
     # vLLM's error body (its OpenAI server): {"object": "error", "message", "type", "param", "code"}
     return JSONResponse(
         {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status},
         status_code=status,
     )
+
+
+def alternatives(token: int, logprob: float, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens at a position where `token` was sampled with `logprob`: tokens the
+    script did not pick share the rest of the mass, halving at each rank (so the sampled token is not
+    always the most likely). Best first."""
+    rest = 1.0 - math.exp(logprob)
+    others = [((token + 7 * r) % 30000 + 300, math.log(rest / 2**r)) for r in range(1, k + 1)]
+    return sorted([*others, (token, logprob)], key=lambda pair: -pair[1])[:k]
+
+
+def vllm_top(token: int, logprob: float, k: int) -> list[tuple[int, float]]:
+    """vLLM's order: the sampled token first, then the top `k` (the sampled one again only if it is among them)."""
+    return [(token, logprob), *[(t, lp) for t, lp in alternatives(token, logprob, k) if t != token]]
 
 
 def vllm_app(state: FakeState) -> Starlette:
@@ -117,33 +144,28 @@ def vllm_app(state: FakeState) -> Starlette:
                     "text_offset": [0],
                     "token_logprobs": [logprob],
                     "tokens": [f"token_id:{token}"],
-                    "top_logprobs": [{f"token_id:{token}": logprob}] if top else None,
+                    "top_logprobs": [{f"token_id:{t}": lp for t, lp in vllm_top(token, logprob, top)}]
+                    if top is not None
+                    else None,
                 },
                 "finish_reason": finish if last else None,
                 "stop_reason": (token if finish == "stop" else None) if last else None,
                 "token_ids": [token],
             }
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                for i, (token, logprob) in enumerate(tokens):
-                    await asyncio.sleep(state.delay)
-                    chunk = {
-                        "id": "cmpl-fake",
-                        "object": "text_completion",
-                        "created": int(time.time()),
-                        "model": "fake-model",
-                        "choices": [choice(token, logprob, i == len(tokens) - 1)],
-                    }
-                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            except asyncio.CancelledError:
-                state.aborted += 1
-                raise
+        def chunk(i: int, token: int, logprob: float) -> dict[str, Any]:
+            return {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": "fake-model",
+                "choices": [choice(token, logprob, i == len(tokens) - 1)],
+            }
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _stream(state, [chunk(i, t, lp) for i, (t, lp) in enumerate(tokens)])
 
     async def generate(request: Request) -> Response:
+        # vLLM 0.32's token endpoint: logprobs.content[j] = {token_id, logprob, rank, top_logprobs}
         body = await _received(state, request)
         if _fails(state):
             return _error(500, "engine core died")
@@ -154,37 +176,67 @@ def vllm_app(state: FakeState) -> Starlette:
             params.get("stop_token_ids") or [],
             params.get("seed"),
         )
-        content = [
-            {
-                "token": f"token_id:{t}",
+        k = params.get("logprobs") or 0
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            ranked = alternatives(t, lp, 20)
+            rank = next((r + 1 for r, (other, _) in enumerate(ranked) if other == t), 21)
+            return {
+                "token_id": t,
                 "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp}],
+                "rank": rank,
+                "top_logprobs": [{"token_id": a, "logprob": alp} for a, alp in vllm_top(t, lp, k)],
             }
-            for t, lp in tokens
-        ]
+
+        def choice(delta: list[tuple[int, float]], last: bool) -> dict[str, Any]:
+            return {
+                "index": 0,
+                "token_ids": [t for t, _ in delta],
+                "logprobs": {"content": [entry(t, lp) for t, lp in delta]},
+                "finish_reason": finish if last else None,
+            }
+
+        if body.get("stream"):
+            events = [
+                {"request_id": "gen-fake", "choices": [choice([pair], i == len(tokens) - 1)]}
+                for i, pair in enumerate(tokens)
+            ]
+            return _stream(state, events)
         return JSONResponse(
             {
                 "request_id": "gen-fake",
-                "choices": [
-                    {
-                        "index": 0,
-                        "token_ids": [t for t, _ in tokens],
-                        "logprobs": {"content": content},
-                        "finish_reason": finish,
-                    }
-                ],
+                "choices": [choice(tokens, True)],
                 "usage": {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(tokens)},
             }
         )
 
     return Starlette(
+        exception_handlers=EXCEPTION_HANDLERS,
         routes=[
             *_common_routes(state),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/inference/v1/generate", generate, methods=["POST"]),
-        ]
+        ],
     )
+
+
+def _stream(state: FakeState, events: list[dict[str, Any]], *, disconnect_aborts: bool = True) -> StreamingResponse:
+    """Server-sent events, one per token, `state.delay` apart, then `[DONE]`. vLLM aborts a request whose
+    client went away (`disconnect_aborts`); SGLang waits for `/abort_request`."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            for i, event in enumerate(events):
+                await asyncio.sleep(state.delay)
+                data = state.mangle(i, event) if state.mangle else json.dumps(event).encode()
+                yield b"data: " + data + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            if disconnect_aborts:
+                state.aborted += 1
+            raise
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
 
 
 def sglang_app(state: FakeState) -> Starlette:
@@ -204,39 +256,40 @@ def sglang_app(state: FakeState) -> Starlette:
             params.get("sampling_seed"),
         )
 
-        async def events() -> AsyncIterator[bytes]:
-            for i in range(1, len(tokens) + 1):
-                await asyncio.sleep(state.delay)
-                done = i == len(tokens)
-                reason = None
-                if done:
-                    reason = (
-                        {"type": "stop", "matched": tokens[-1][0]}
-                        if finish == "stop"
-                        else {"type": "length", "length": len(tokens)}
-                    )
-                chunk = {
-                    "text": "".join(f"<{t}>" for t, _ in tokens[:i]),
-                    "output_ids": [t for t, _ in tokens[:i]],
-                    "meta_info": {
-                        "id": body.get("rid"),
-                        "finish_reason": reason,
-                        "prompt_tokens": len(body["input_ids"]),
-                        "completion_tokens": i,
-                        "output_token_logprobs": [[lp, t, None] for t, lp in tokens[:i]],
-                    },
-                }
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+        def chunk(i: int) -> dict[str, Any]:
+            done = i == len(tokens)
+            reason = None
+            if done:
+                reason = (
+                    {"type": "stop", "matched": tokens[-1][0]}
+                    if finish == "stop"
+                    else {"type": "length", "length": len(tokens)}
+                )
+            k = body.get("top_logprobs_num") or 0
+            tops = [[[alp, a, None] for a, alp in alternatives(t, lp, k)] for t, lp in tokens[:i]]
+            return {
+                "text": "".join(f"<{t}>" for t, _ in tokens[:i]),
+                "output_ids": [t for t, _ in tokens[:i]],
+                "meta_info": {
+                    "id": body.get("rid"),
+                    "finish_reason": reason,
+                    "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": i,
+                    "output_token_logprobs": [[lp, t, None] for t, lp in tokens[:i]],
+                    "output_top_logprobs": tops if k else None,
+                },
+            }
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        # SGLang streams cumulative output: each event repeats what came before
+        return _stream(state, [chunk(i) for i in range(1, len(tokens) + 1)], disconnect_aborts=False)
 
     return Starlette(
+        exception_handlers=EXCEPTION_HANDLERS,
         routes=[
             *_common_routes(state),
             Route("/generate", generate, methods=["POST"]),
             Route("/abort_request", abort, methods=["POST"]),
-        ]
+        ],
     )
 
 

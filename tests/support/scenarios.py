@@ -75,7 +75,9 @@ async def five_turn_scenario(client: openai.AsyncOpenAI, model: str, http: Any, 
     assert sum(mask) == sum(len(c["ids"]) for c in calls)
     assert all((lp is None) == (m == 0) for lp, m in zip(logprobs, mask, strict=True))
     assert branch["finish_reasons"][2] == "length"
-    assert branch["truncated"] is False and branch["finish_reasons"][-1] in ("stop", "length")
+    # whether the episode ends on a stop depends on the model's weights; the flag must agree with it
+    assert branch["finish_reasons"][-1] in ("stop", "length")
+    assert branch["truncated"] is (branch["finish_reasons"][-1] == "length")
 
     # no turn close doubled or dropped: as many as the template's own rendering of the whole episode
     (im_end,) = (await http.post("/tokenize", json={"prompt": "<|im_end|>"})).json()["tokens"]

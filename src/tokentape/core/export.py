@@ -1,21 +1,31 @@
 """The session export: every branch as per-token lists of equal length, exact to the token.
 
-Logprobs are the engine's sampling logprobs of sampled tokens, computed from logits divided by the
-sampling temperature, before top-p/top-k/min-p truncation (what a trainer recomputes for its
-importance ratio). Prompt and bridge positions carry null, never a placeholder number.
+Logprobs are the engine's logprobs of sampled tokens; what they are is recorded per turn, as the engine
+reported it for that turn's sampling parameters (`logprob_modes`, one per turn):
+  temperature_scaled_untruncated  log_softmax(logits / temperature): what a trainer recomputes for its
+                                  importance ratio (the embedded engine, at any temperature > 0)
+  temperature_scaled_truncated    after the top-k/top-p/min-p cut too, renormalized
+  raw                             log_softmax(logits), temperature ignored (greedy turns; vLLM's default)
+None for a turn recorded before modes were. Prompt and bridge positions carry null, never a number.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import BranchView
 
-__all__ = ["EXPORT_SCHEMA_VERSION", "LOGPROB_MODE", "export_branch", "export_session"]
+__all__ = ["EXPORT_SCHEMA_VERSION", "export_branch", "export_session", "common_logprob_mode"]
 
 EXPORT_SCHEMA_VERSION = 1
-LOGPROB_MODE = "temperature_scaled_untruncated"
+
+
+def common_logprob_mode(modes: Iterable[str | None]) -> str | None:
+    """The mode every recorded turn shares, "mixed" when they differ, None when none was recorded."""
+    known = {mode for mode in modes if mode is not None}
+    return known.pop() if len(known) == 1 else ("mixed" if known else None)
 
 
 def export_branch(branch: BranchView) -> dict[str, Any]:
@@ -33,9 +43,10 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "rewrites": [node.rewrite.as_dict() for node in branch.nodes if node.rewrite is not None],
         "turn_ids": [node.id for node in branch.nodes],
         "policy_versions": [node.policy_version for node in branch.nodes],
+        "trace_ids": [node.trace_id for node in branch.nodes],  # a second session name the client sent
+        "logprob_modes": [node.logprob_mode for node in branch.nodes],
         # per turn: sampled under a constraint (its logprobs are not the free policy's)
         "constrained": [node.constrained for node in branch.nodes],
-        "trace_ids": [node.trace_id for node in branch.nodes],
     }
 
 
@@ -43,7 +54,7 @@ def export_session(tree: SessionTree) -> dict[str, Any]:
     return {
         "schema_version": EXPORT_SCHEMA_VERSION,
         "session_id": tree.session_id,
-        "logprob_mode": LOGPROB_MODE,
+        "logprob_mode": common_logprob_mode(node.logprob_mode for node in tree.nodes),
         "summary": tree.summary(),
         "branches": [
             {**export_branch(branch), "reward": tree.outcome.branch_reward(branch.leaf.id)}

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokentape.core.export import EXPORT_SCHEMA_VERSION, LOGPROB_MODE, export_branch
+from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import BranchView
 from tokentape.errors import InvalidRequest
@@ -79,7 +79,8 @@ def samples_of(trees: Iterable[SessionTree]) -> list[Sample]:
 
 def _tokentape(sample: Sample) -> dict[str, Any]:
     turn_rewards = sample.tree.outcome.turn_rewards
-    row = {**sample.head(), **export_branch(sample.branch), "logprob_mode": LOGPROB_MODE}
+    branch = export_branch(sample.branch)
+    row = {**sample.head(), **branch, "logprob_mode": common_logprob_mode(branch["logprob_modes"])}
     row["turn_rewards"] = [turn_rewards.get(node.id) for node in sample.branch.nodes]
     return row
 

@@ -26,6 +26,8 @@ __all__ = [
     "chain_step",
     "flatten_text_parts",
     "hash_chain",
+    "same_inputs",
+    "template_inputs",
 ]
 
 Message = Mapping[str, Any]
@@ -103,3 +105,31 @@ def flatten_text_parts(message: Message) -> Message:
     if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
         return message
     return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
+
+
+def template_inputs(
+    tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """What a chat template reads besides the messages (the tools offered, `chat_template_kwargs`),
+    in the form a turn records it; None when the request gave neither."""
+    inputs: dict[str, Any] = {}
+    if tools:
+        inputs["tools"] = [dict(tool) for tool in tools]
+    if template_kwargs:
+        inputs["template_kwargs"] = dict(template_kwargs)
+    return inputs or None
+
+
+def same_inputs(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two turns' template inputs are identical as sent. Key order counts: templates write
+    tools with `tojson`, which keeps it, so a reordered schema renders differently."""
+    if a is b:
+        return True
+    return _exact_json(a or None) == _exact_json(b or None)
+
+
+def _exact_json(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, default=str).encode()

@@ -25,7 +25,7 @@ __all__ = [
     "THINK_CLOSE",
 ]
 
-ToolFormat = Literal["hermes", "qwen_xml", "glm", "llama3", "deepseek", "none"]
+ToolFormat = Literal["hermes", "qwen_xml", "glm", "llama3", "deepseek", "minimax", "none"]
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 TOOL_START_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
@@ -34,6 +34,7 @@ TOOL_START_MARKERS: dict[ToolFormat, tuple[str, ...]] = {
     "glm": ("<tool_call>",),
     "llama3": ("<|python_tag|>",),
     "deepseek": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"),
+    "minimax": ("<minimax:tool_call>",),
     "none": (),
 }
 
@@ -170,12 +171,30 @@ def _parse_deepseek(text: str) -> tuple[str, list[dict[str, Any]]]:
     return text[:start].rstrip(), calls
 
 
+_MINIMAX = re.compile(r"<minimax:tool_call>(.*?)</minimax:tool_call>", re.DOTALL)
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
+
+
+def _parse_minimax(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """MiniMax-M2: `<minimax:tool_call>` blocks of `<invoke name=...>` with `<parameter name=...>` values
+    (strings as written, other values as JSON)."""
+    calls, spans = [], []
+    for block in _MINIMAX.finditer(text):
+        for name, body in _MINIMAX_INVOKE.findall(block.group(1)):
+            arguments = {key: _loose_value(value) for key, value in _MINIMAX_PARAM.findall(body)}
+            calls.append(_call(name.strip(), arguments))
+        spans.append(block.span())
+    return (_content_around(text, spans), calls) if calls else (text, [])
+
+
 _PARSERS: dict[ToolFormat, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
     "hermes": _parse_hermes,
     "qwen_xml": _parse_qwen_xml,
     "glm": _parse_glm,
     "llama3": _parse_llama3,
     "deepseek": _parse_deepseek,
+    "minimax": _parse_minimax,
 }
 
 

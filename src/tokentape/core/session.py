@@ -8,11 +8,11 @@ the session's policy. Anything else opens a new root: a fresh conversation in th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from tokentape.core.messages import Message, chain_step
+from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
     BranchView,
@@ -74,7 +74,7 @@ def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
 
 
 class SessionTree:
-    """The recorded turns of one session. Append-only: nodes are added, never changed."""
+    """The recorded turns of one session. Append-only: nodes are added, never removed or edited."""
 
     def __init__(self, session_id: str, policy: RewritePolicy = "tape", *, created_at: float = 0.0) -> None:
         self.session_id = session_id
@@ -94,6 +94,10 @@ class SessionTree:
 
     def branches(self) -> list[BranchView]:
         return [BranchView.of(leaf) for leaf in self.leaves]
+
+    def has_chain(self, chain: bytes) -> bool:
+        """Whether some turn recorded exactly this history, its own reply included."""
+        return chain in self._by_chain
 
     @property
     def token_count(self) -> int:
@@ -146,11 +150,17 @@ class SessionTree:
         prompt_length: int,
         reply: Message,
         request_key: bytes | None = None,
-        policy_version: str | None = None,
-        constrained: bool = False,
+        request: int | None = None,
         trace_id: str | None = None,
+        policy_version: str | None = None,
+        logprob_mode: str | None = None,
+        template_inputs: Mapping[str, Any] | None = None,
+        constrained: bool = False,
     ) -> TurnNode:
-        """Record one generation under `turn.parent`; `prompt_chain` names the request's messages."""
+        """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
+        `template_inputs` what else the template read (`messages.template_inputs`)."""
+        if turn.parent is not None and same_inputs(turn.parent.template_inputs, template_inputs):
+            template_inputs = turn.parent.template_inputs  # one copy per run of equal turns
         node = TurnNode(
             id=len(self.nodes),
             parent=turn.parent,
@@ -167,9 +177,12 @@ class SessionTree:
             reply=dict(reply),
             rewrite=turn.rewrite,
             request_key=request_key,
-            policy_version=policy_version,
-            constrained=constrained,
+            request=request,
             trace_id=trace_id,
+            policy_version=policy_version,
+            logprob_mode=logprob_mode,
+            template_inputs=template_inputs,
+            constrained=constrained,
         )
         self.restore(node)
         return node
@@ -186,9 +199,17 @@ class SessionTree:
         if node.rewrite is not None and (not self.rewrites or self.rewrites[-1] != node.rewrite):
             self.rewrites.append(node.rewrite)
 
-    def turns_for_request(self, request_key: bytes) -> list[TurnNode]:
-        """The turns (one per choice) a request produced."""
-        return [node for node in self.nodes if node.request_key == request_key]
+    def turns_of_request(self, request: int) -> list[TurnNode]:
+        """The turns (one per choice) the session's request number `request` produced."""
+        return [node for node in self.nodes if node.request == request]
+
+    def latest_requests(self) -> dict[bytes, int]:
+        """For each request key, the number of the latest request with that key that made a turn."""
+        latest: dict[bytes, int] = {}
+        for node in self.nodes:
+            if node.request_key is not None and node.request is not None:
+                latest[node.request_key] = max(node.request, latest.get(node.request_key, 0))
+        return latest
 
     def fork_point(self, branch_end: TurnNode, tokens: Sequence[int]) -> tuple[TurnNode | None, int]:
         """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens)."""

@@ -4,7 +4,8 @@ A turn node holds the tokens the gateway put in front of one generation (`contex
 or the bridge after the parent's sampled tokens) and the tokens the engine sampled. A node continues
 its parent's path after `keep` tokens: normally the parent's whole path, fewer when a rewrite forked
 the path at a token inside it. A branch is the path from a root to a leaf; it is one training sample.
-Nodes are never changed after they are attached, so readers need no lock.
+A node's tokens, logprobs and reply are fixed when it is attached; the only thing that changes
+afterwards is its `children` list, which grows as later turns attach below it.
 """
 
 from __future__ import annotations
@@ -72,12 +73,17 @@ class TurnNode:
     message_count: int  # request messages + 1 (the reply)
     reply: Mapping[str, Any] = field(default_factory=dict)  # the assistant message this turn returned
     rewrite: Rewrite | None = None
-    request_key: bytes | None = None  # names the request that made this turn (SDK retries replay it)
+    request_key: bytes | None = None  # names the request's body (an SDK retry repeats it)
+    request: int | None = None  # the session's number for the request that made this turn
+    trace_id: str | None = None  # a second session name the client sent with the request
     policy_version: str | None = None  # the weights that sampled this turn
+    logprob_mode: str | None = None  # what its logprobs are, as its engine reported (None: not recorded)
+    # what the template read besides the messages (tools, chat_template_kwargs); shared with the
+    # parent's when equal
+    template_inputs: Mapping[str, Any] | None = None
     # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
     # distribution's, not the policy's
     constrained: bool = False
-    trace_id: str | None = None  # the client's own name for the call, when it differs from the session
     children: list[TurnNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

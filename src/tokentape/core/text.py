@@ -25,11 +25,14 @@ class TextAssembler:
 class StopStringFilter:
     """Passes text through until a stop string appears; the stop string itself is never emitted.
 
-    Text that could still become the start of a stop string is held back until it is decided.
+    The text is cut where the earliest stop string in it begins (OpenAI's semantics), wherever the
+    deltas split: with stops `["bcd", "c"]`, "abcd" gives "a" whole and one character at a time.
+    So text that could still become the start of a stop string is held back until it is decided,
+    and a complete match is final only once no stop string that starts earlier can still complete.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = tuple(stops)
+        self._stops = tuple(stop for stop in stops if stop)
         self._held = ""
         self.stopped = False
 
@@ -37,25 +40,35 @@ class StopStringFilter:
         if self.stopped:
             return ""
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        if hits:
+        match = self._earliest_match(buffer)
+        undecided = self._earliest_partial(buffer, before=len(buffer) if match is None else match)
+        if match is not None and undecided is None:
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)]
-        hold = self._longest_partial_stop(buffer)
-        self._held = buffer[len(buffer) - hold :] if hold else ""
-        return buffer[: len(buffer) - hold]
+            return buffer[:match]
+        keep = len(buffer) if undecided is None else undecided
+        self._held = buffer[keep:]
+        return buffer[:keep]
 
     def finish(self) -> str:
-        """Release held text at the end of generation (it never became a stop string)."""
+        """Release held text at the end of generation, cut at a stop string it holds."""
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        if self.stopped:
+            return ""
+        match = self._earliest_match(held)
+        if match is not None:
+            self.stopped = True
+            return held[:match]
+        return held
 
-    def _longest_partial_stop(self, buffer: str) -> int:
-        best = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(buffer)), best, -1):
-                if buffer.endswith(stop[:length]):
-                    best = length
-                    break
-        return best
+    def _earliest_match(self, buffer: str) -> int | None:
+        hits = [i for i in (buffer.find(stop) for stop in self._stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _earliest_partial(self, buffer: str, *, before: int) -> int | None:
+        """The earliest position before `before` where a stop string starts but runs past the end."""
+        for start in range(max(0, len(buffer) - max((len(s) for s in self._stops), default=0)), before):
+            tail = buffer[start:]
+            if any(len(stop) > len(tail) and stop.startswith(tail) for stop in self._stops):
+                return start
+        return None

@@ -8,16 +8,28 @@ from typing import Any, Literal, Protocol
 
 from tokentape.core.sampling import SamplingParams
 
-__all__ = ["Constraint", "ConstraintKind", "Engine", "SampledToken"]
+__all__ = ["Constraint", "ConstraintKind", "Engine", "LogprobMode", "SampledToken", "logprob_mode"]
+
+# What a recorded logprob is a log-probability under; the trainer's importance ratio is only right
+# when it recomputes the same thing.
+#   raw                            log_softmax(logits): temperature and truncation ignored (greedy
+#                                  requests report this on every engine)
+#   temperature_scaled_untruncated log_softmax(logits / temperature), before top-k/top-p/min-p
+#   temperature_scaled_truncated   after temperature and (some of) the request's top-k/top-p/min-p
+#                                  cut, renormalized over what was kept: 0.0 where one token was left
+LogprobMode = Literal["raw", "temperature_scaled_untruncated", "temperature_scaled_truncated"]
 
 ConstraintKind = Literal["json_schema", "regex", "grammar"]
 
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What the sampled text must match: a JSON schema (JSON text), a regular expression, or a
-    grammar in llama.cpp's GBNF. The engine masks every token that would leave it, so the recorded
-    logprobs are those of the constrained distribution."""
+    """Constrained decoding: only tokens that keep the output inside `value` may be sampled.
+
+    json_schema: a JSON schema, serialized as JSON text; regex: a regular expression the whole output
+    matches; grammar: an EBNF grammar (GBNF for llama.cpp, the engine's EBNF dialect for remote
+    engines). Logprobs of a constrained turn are those of the masked distribution.
+    """
 
     kind: ConstraintKind
     value: str
@@ -26,8 +38,22 @@ class Constraint:
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     token_id: int
-    logprob: float  # log p(token) under logits / temperature, before truncation (greedy: temperature 1)
+    logprob: float  # what kind of log-probability: `logprob_mode`
     top_logprobs: tuple[tuple[int, float], ...] = ()  # most likely tokens at this position, best first
+    logprob_mode: LogprobMode = "temperature_scaled_untruncated"  # one value for the whole generation
+
+
+def logprob_mode(params: SamplingParams, *, scaled: bool, truncated_by: Sequence[str] = ()) -> LogprobMode:
+    """The mode of the logprobs an engine reports for `params`, given whether it applies the temperature
+    before reporting (`scaled`) and which of "top_k", "top_p", "min_p" it applies before reporting."""
+    if params.temperature == 0.0:
+        return "raw"
+    if not scaled:  # raw values ignore truncation too: at temperature 1 they are the untruncated ones
+        return "temperature_scaled_untruncated" if params.temperature == 1.0 else "raw"
+    cut = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0}
+    if any(cut[name] for name in truncated_by):
+        return "temperature_scaled_truncated"
+    return "temperature_scaled_untruncated"
 
 
 class Engine(Protocol):
@@ -39,11 +65,6 @@ class Engine(Protocol):
     @property
     def context_length(self) -> int: ...
 
-    @property
-    def constraint_kinds(self) -> frozenset[ConstraintKind]:
-        """The kinds of `Constraint` this engine enforces; the gateway refuses the others."""
-        ...
-
     def generate(
         self,
         prompt: Sequence[int],
@@ -54,8 +75,8 @@ class Engine(Protocol):
         constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
         """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
-        (included in the stream), after `params.max_tokens`, or at the end of the context. With a
-        `constraint`, only tokens that keep the text inside it are sampled."""
+        (included in the stream), after `params.max_tokens`, or at the end of the context. An engine
+        that cannot honour `constraint` raises InvalidRequest before it generates anything."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ sampler, so that the recorded logprob is the one the token was drawn from.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
+from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.sampler import sample_token
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
@@ -50,8 +51,6 @@ class LlamaCppSettings:
 class LlamaCppEngine:
     """A GGUF model in-process. `generate` is safe to call from many tasks at once."""
 
-    constraint_kinds: frozenset[ConstraintKind] = frozenset({"json_schema", "grammar"})
-
     def __init__(self, settings: LlamaCppSettings) -> None:
         import llama_cpp
 
@@ -75,6 +74,7 @@ class LlamaCppEngine:
         self.context_length = self._llama.n_ctx()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
+        self._counting = threading.Lock()
         self.tokens_generated = 0  # every token sampled since start, aborted generations included
 
     async def generate(
@@ -98,11 +98,12 @@ class LlamaCppEngine:
         cancel = threading.Event()
 
         def emit(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        self.waiting += 1
-        job = loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, grammar, cancel, emit)
-        job.add_done_callback(self._job_done)
+        with self._counting:
+            self.waiting += 1
+        loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, grammar, cancel, emit)
         try:
             while True:
                 item = await queue.get()
@@ -117,9 +118,6 @@ class LlamaCppEngine:
         finally:
             cancel.set()  # the worker stops before its next token; the executor stays serial
 
-    def _job_done(self, _: object) -> None:
-        self.waiting -= 1
-
     @staticmethod
     def grammar_text(constraint: Constraint) -> str:
         """The constraint as a llama.cpp grammar (JSON schemas through llama.cpp's own converter)."""
@@ -132,7 +130,10 @@ class LlamaCppEngine:
                 return str(json_schema_to_gbnf(constraint.value))
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param="response_format") from exc
-        raise InvalidRequest(f"the embedded engine cannot enforce a {constraint.kind} constraint")
+        raise InvalidRequest(
+            f"the embedded engine cannot constrain output by {constraint.kind.replace('_', ' ')}",
+            param="response_format",
+        )
 
     def _run(
         self,
@@ -150,6 +151,8 @@ class LlamaCppEngine:
             emit(exc)
         finally:
             emit(_DONE)
+            with self._counting:  # counted here, not on the caller's loop, which may be gone by now
+                self.waiting -= 1
 
     def _generate_blocking(
         self,
@@ -165,6 +168,7 @@ class LlamaCppEngine:
         stop_ids = self._end_of_turn | frozenset(params.stop_token_ids)
         room = self.context_length - len(prompt)
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        mode = logprob_mode(params, scaled=True)  # the sampler records logits / temperature, untruncated
         mask = _GrammarMask(self._lib, self._llama, grammar) if grammar is not None else None
         try:
             logits = self._prefill(prompt)
@@ -177,7 +181,7 @@ class LlamaCppEngine:
                         return
                 token, logprob, top = sample_token(logits, params, rng)
                 self.tokens_generated += 1
-                emit(SampledToken(token, logprob, tuple((t, lp) for t, lp in top if np.isfinite(lp))))
+                emit(SampledToken(token, logprob, tuple((t, lp) for t, lp in top if np.isfinite(lp)), mode))
                 if token in stop_ids:
                     return
                 if mask is not None:

@@ -3,7 +3,10 @@
 A new session goes to the healthy engine with the fewest requests in flight; its later turns stick
 to that engine, whose prefix cache holds its history. An engine that fails is taken out of
 rotation (its sessions move on their next turn: the tape is intact, only the cache is lost) and is
-put back when its health check answers again. Each engine takes a bounded number of requests at
+put back when its health check answers again. Only the engine's own failures count: a transport
+error or a 5xx before the first token, never a request the engine refused or answered malformed.
+With no engine in rotation the health of all is probed at once (at most once a second) before the
+request is refused with 503 and a Retry-After. Each engine takes a bounded number of requests at
 once; the rest queue for it.
 """
 
@@ -11,32 +14,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
+from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.remote import RemoteEngine
-from tokentape.errors import EngineFailure, NotFound
+from tokentape.errors import EngineFailure, EngineUnavailable, NotFound
 
 __all__ = ["Router"]
 
 STICKY_SESSIONS_KEPT = 100_000  # affinity is a hint: losing an old entry only costs a cache miss
+REPROBE_INTERVAL = 1.0  # seconds between on-demand health probes when no engine is in rotation
 
 
 class Router:
     def __init__(
-        self, engines: Sequence[RemoteEngine], *, max_in_flight: int = 64, health_interval: float = 5.0
+        self,
+        engines: Sequence[RemoteEngine],
+        *,
+        max_in_flight: int = 64,
+        health_interval: float = 5.0,
+        vocab_size: int | None = None,
     ) -> None:
         if not engines:
             raise NotFound("no engines to route to")
         self.engines: list[RemoteEngine] = list(engines)
+        self.vocab_size = vocab_size  # token IDs at or beyond it are engine faults
+        for engine in self.engines:
+            engine.vocab_size = vocab_size
         self.max_in_flight = max_in_flight
         self.health_interval = health_interval
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._sticky: OrderedDict[str, RemoteEngine] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
+        self._probed_at = 0.0
         self.moves = 0  # sessions that changed engine because theirs was unhealthy or draining
 
     @property
@@ -55,6 +69,7 @@ class Router:
     def add(self, engine: RemoteEngine) -> None:
         if any(e.base_url == engine.base_url for e in self.engines):
             raise NotFound(f"an engine at {engine.base_url} is already routed to")
+        engine.vocab_size = self.vocab_size
         self.engines.append(engine)
 
     def find(self, url: str) -> RemoteEngine:
@@ -86,7 +101,7 @@ class Router:
             return placed
         candidates = [e for e in self.engines if self._usable(e)]
         if not candidates:
-            raise EngineFailure("no healthy engine is available")
+            raise EngineUnavailable("no healthy engine is available; retry shortly", retry_after=self.health_interval)
         chosen = min(candidates, key=lambda e: (e.in_flight, self.engines.index(e)))
         if session_id:
             if placed is not None:
@@ -96,14 +111,15 @@ class Router:
                 self._sticky.popitem(last=False)
         return chosen
 
-    @property
-    def constraint_kinds(self) -> frozenset[ConstraintKind]:
-        """What every engine enforces: a session may land on any of them."""
-        kinds = [engine.constraint_kinds for engine in self.engines]
-        return frozenset.intersection(*kinds) if kinds else frozenset()
-
     def _slot(self, engine: RemoteEngine) -> asyncio.Semaphore:
         return self._slots.setdefault(engine.base_url, asyncio.Semaphore(self.max_in_flight))
+
+    async def acquire(self, session_id: str | None) -> RemoteEngine:
+        """The engine for one generation (placement decided here; a shared registry may decide)."""
+        return self.place(session_id)
+
+    async def release(self, engine: RemoteEngine) -> None:
+        """The generation placed on `engine` is over."""
 
     async def generate(
         self,
@@ -114,7 +130,9 @@ class Router:
         session_id: str | None = None,
         constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
-        engine = self.place(session_id)
+        if not any(self._usable(e) for e in self.engines):
+            await self._reprobe()
+        engine = await self.acquire(session_id)
         engine.in_flight += 1  # counted while queued too, so placement sees the real load
         try:
             async with self._slot(engine):
@@ -125,12 +143,21 @@ class Router:
                         async for token in stream:
                             produced += 1
                             yield token
-                except EngineFailure:
-                    if not produced:  # it failed outright: out of rotation until its health check passes
+                except EngineFailure as exc:
+                    # it failed outright: out of rotation until its health check passes
+                    if not produced and exc.engine_down:
                         engine.healthy = False
                     raise
         finally:
             engine.in_flight -= 1
+            await self.release(engine)
+
+    async def _reprobe(self) -> None:
+        """Probe every engine now, unless that was done within the last second."""
+        now = time.monotonic()
+        if now - self._probed_at >= REPROBE_INTERVAL:
+            self._probed_at = now
+            await self.check_health()
 
     # -- health ------------------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -158,5 +185,8 @@ class Router:
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
         for engine in self.engines:
             await engine.close()

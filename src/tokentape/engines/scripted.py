@@ -1,7 +1,8 @@
 """A scripted engine: an instrument for tests and benchmarks that must exclude real inference.
 
 It answers instantly, logprob -1.0 per token: with the next queued script if there is one (exactly
-those tokens), else with its fixed script followed by the end-of-turn token. Never used by
+those tokens), else with its fixed script followed by the end-of-turn token. It constrains nothing:
+a constrained request is refused as an engine without constrained decoding refuses it. Never used by
 `tokentape serve`.
 """
 
@@ -12,7 +13,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, ConstraintKind, SampledToken
+from tokentape.engines.base import Constraint, SampledToken
+from tokentape.errors import InvalidRequest
 
 __all__ = ["ScriptedEngine"]
 
@@ -26,7 +28,6 @@ class ScriptedEngine:
         self.context_length = context_length
         self.calls = 0
         self.tokens = 0
-        self.constraint_kinds: frozenset[ConstraintKind] = frozenset()
 
     def push(self, tokens: Sequence[int]) -> None:
         """Answer the next generation with exactly `tokens` (cut by max_tokens)."""
@@ -41,6 +42,8 @@ class ScriptedEngine:
         session_id: str | None = None,
         constraint: Constraint | None = None,
     ) -> AsyncGenerator[SampledToken, None]:
+        if constraint is not None:  # it plays an engine without constrained decoding
+            raise InvalidRequest("the scripted engine cannot constrain its output", param="response_format")
         self.calls += 1
         tokens = self.queue.popleft() if self.queue else [*self.script, self.end_of_turn]
         if params.max_tokens is not None:

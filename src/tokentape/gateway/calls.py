@@ -13,6 +13,7 @@ from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason, RewritePolicy
 from tokentape.engines.base import Constraint, SampledToken
+from tokentape.gateway.sessions import PrefixMatch
 from tokentape.render.renderer import RenderOptions
 
 __all__ = ["ChatCall", "CompletionCall", "Call", "Started", "TextDelta", "ChoiceDone", "Event"]
@@ -54,6 +55,7 @@ Call = ChatCall | CompletionCall
 class Started:
     session_id: str
     prompt_token_ids: list[int]
+    prefix_match: PrefixMatch | None = None  # how an unnamed request was placed, in prefix-matching mode
 
 
 @dataclass(frozen=True, slots=True)

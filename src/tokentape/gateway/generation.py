@@ -2,12 +2,14 @@
 text into reasoning, content and tool calls, and say how the generation ended.
 
 Recording is the caller's (the service attaches the turn and writes it); this module only keeps
-every sampled token, including those of a generation cut short, so nothing sampled is lost.
+every sampled token, including those of a generation cut short, so nothing sampled is lost. A
+generation the engine failed is marked (`engine_fault`): its tokens are not recorded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -63,7 +65,12 @@ class ChoiceRun:
         self.text_parts: list[str] = []
         self.finish: FinishReason = "abort"
         self.completed = False
+        self.engine_fault = False  # the engine failed: what it sent is not recorded
         self.reply = ParsedReply("", None)
+        # monotonic times: the last engine call, its first and its latest token (for metrics)
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self._pending: list[SampledToken] = []
         self._assembler = TextAssembler()
         self._stops = StopStringFilter(sampling.stop)
@@ -97,17 +104,18 @@ class ChoiceRun:
         for attempt in range(ENGINE_ATTEMPTS):
             try:
                 self._on_engine_call()
-                # the constraint is passed only when there is one: engines that enforce none need not take it
-                extra = {"constraint": self.constraint} if self.constraint is not None else {}
+                self.started_at = time.monotonic()
                 generation = self.engine.generate(
                     self.prompt,
                     self.sampling,
                     seed=self.sampling.choice_seed(self.index),
                     session_id=self.session_id,
-                    **extra,
+                    constraint=self.constraint,
                 )
                 async with contextlib.aclosing(generation):
                     async for sample in generation:
+                        self.last_token_at = time.monotonic()
+                        self.first_token_at = self.first_token_at or self.last_token_at
                         self.tokens.append(sample)
                         self._pending.append(sample)
                         piece = self.tokenizer.token_bytes(sample.token_id)
@@ -123,6 +131,7 @@ class ChoiceRun:
             except EngineFailure:
                 # before the first token a retry is invisible; after it, it would duplicate the turn
                 if self.tokens or attempt + 1 == ENGINE_ATTEMPTS:
+                    self.engine_fault = True
                     raise
         if self.finish != "stop":
             self.finish = "abort" if interrupted else "length"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokentape.core.messages import EMPTY_CHAIN, chain_step, hash_chain
 from tokentape.core.session import Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
@@ -15,7 +16,7 @@ from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import ChatCall
 from tokentape.gateway.generation import ReplyMode
-from tokentape.render.renderer import Renderer
+from tokentape.render.renderer import Renderer, RenderOptions
 
 __all__ = ["Plan", "Planner", "deepest_prefix_node"]
 
@@ -27,6 +28,7 @@ class Plan:
     prompt_chain: bytes  # chain hash of the request's messages
     prompt_length: int  # how many messages the request had
     reply_mode: ReplyMode | None = None  # None: raw completion text
+    template_inputs: Mapping[str, Any] | None = None  # what the template read besides the messages
 
 
 class Planner:
@@ -43,7 +45,13 @@ class Planner:
             return await self._fresh(tree, call, decision, chains[-1])
         node = decision.node
         bridge = await asyncio.to_thread(
-            self.renderer.bridge, call.messages, decision.new_from - 1, node.reply, self._stop_token(node), call.options
+            self.renderer.bridge,
+            call.messages,
+            decision.new_from - 1,
+            node.reply,
+            self._stop_token(node),
+            call.options,
+            RenderOptions.of(node.template_inputs),  # the history was rendered with these
         )
         rewrite = decision.rewrite
         if bridge.template_rewrite:
@@ -52,25 +60,29 @@ class Planner:
                 policy=tree.policy,
                 at_message=decision.new_from - 1,
                 at_token=None,
-                detail="the chat template renders an earlier reply differently once new messages follow",
+                detail=bridge.detail,
             )
             if settle_rewrite(rewrite) == "fork":
                 return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1])
         turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
         mode = self._reply_mode(call, bridge.opens_reasoning)
-        return Plan(turn, path_tokens(node) + bridge.tokens, chains[-1], len(chains), mode)
+        tokens = path_tokens(node) + bridge.tokens
+        return Plan(turn, tokens, chains[-1], len(chains), mode, template_inputs=call.options.inputs())
 
     async def _fresh(self, tree: SessionTree, call: ChatCall, decision: Fresh, chain: bytes) -> Plan:
         prompt = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
         tokens, count = prompt.tokens, len(call.messages)
         mode = self._reply_mode(call, prompt.opens_reasoning)
+        inputs = call.options.inputs()
         if decision.fork_from is None:
-            return Plan(NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None), tokens, chain, count, mode)
+            turn = NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None)
+            return Plan(turn, tokens, chain, count, mode, template_inputs=inputs)
         parent, shared = tree.fork_point(decision.fork_from, tokens)
         rewrite = decision.rewrite
         if rewrite is not None:
             rewrite = dataclasses.replace(rewrite, at_token=shared)
-        return Plan(NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite), tokens, chain, count, mode)
+        turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite)
+        return Plan(turn, tokens, chain, count, mode, template_inputs=inputs)
 
     def _reply_mode(self, call: ChatCall, opens_reasoning: bool) -> ReplyMode:
         tool_format = self.renderer.tool_format if call.parse_tool_calls else "none"

@@ -13,6 +13,8 @@ still recorded, with finish reason "abort", so no sampled token is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ from tokentape.core.tape import path_tokens
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
-from tokentape.errors import ContextOverflow, InvalidRequest
+from tokentape.errors import ContextOverflow, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
     ChatCall,
@@ -37,6 +39,7 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
+from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
 class GatewayStats:
     sessions_in_memory: int
     requests_admitted: int  # requests holding an admission slot now
+    retries_waiting: int  # SDK retries waiting for the request they repeat to finish
     engine_calls: int  # generations started since the gateway started
     paused: bool
     policy_version: str | None
@@ -78,6 +82,8 @@ class Gateway:
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
+        self.metrics = GatewayMetrics()
+        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,6 +106,7 @@ class Gateway:
         return GatewayStats(
             sessions_in_memory=len(self.sessions),
             requests_admitted=self.admission.admitted,
+            retries_waiting=self.sessions.retries_waiting,
             engine_calls=self.engine_calls,
             paused=self.paused,
             policy_version=self.policy_version,
@@ -158,15 +165,12 @@ class Gateway:
         return self.chat(call) if isinstance(call, ChatCall) else self.complete(call)
 
     async def chat(self, call: ChatCall) -> AsyncGenerator[Event, None]:
-        constraint = call.constraint
-        if constraint is not None and constraint.kind not in self.engine.constraint_kinds:
-            raise InvalidRequest(
-                "this engine cannot constrain its output (tool_choice 'required' or a named function, "
-                "response_format json); use tool_choice 'auto' and no response_format",
-                param="tool_choice" if constraint.kind == "grammar" else "response_format",
-            )
+        match = None
+        if call.session_id is None and self.sessions.match_prefix:  # the one live session it extends, if any
+            match = self.sessions.match(call.messages)
+            call = dataclasses.replace(call, session_id=match.session_id)
         async for event in self._serve(call, None):
-            yield event
+            yield dataclasses.replace(event, prefix_match=match) if match and isinstance(event, Started) else event
 
     async def complete(self, call: CompletionCall) -> AsyncGenerator[Event, None]:
         prompt = await self.planner.completion_prompt(call.prompt)  # bad prompts fail before a session opens
@@ -182,7 +186,11 @@ class Gateway:
                     for event in replayed:
                         yield event
                     return
-            ticket.claim()
+            try:
+                ticket.claim()
+            except Overloaded:
+                self.metrics.overloaded()
+                raise
             if completion_prompt is not None:
                 plan = Planner.completion(session.tree, completion_prompt)
             else:
@@ -190,11 +198,24 @@ class Gateway:
                 plan = await self.planner.chat(session.tree, call)
             self._check_room(plan.prompt, call.sampling)
             session.requests += 1
-            yield Started(session.id, plan.prompt)
             constraint = call.constraint if isinstance(call, ChatCall) else None
-            for index in range(call.sampling.n):
-                async for event in self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id):
+            choices = [
+                self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id)
+                for index in range(call.sampling.n)
+            ]
+            async with contextlib.aclosing(choices[0]) as first:
+                # An engine refuses a constraint it cannot enforce before its first token: the first choice
+                # runs to its first event before the response starts, so that refusal is the request's error.
+                ahead = [await anext(first)] if constraint is not None else []
+                yield Started(session.id, plan.prompt)
+                for event in ahead:
                     yield event
+                async for event in first:
+                    yield event
+            for choice in choices[1:]:
+                async with contextlib.aclosing(choice):
+                    async for event in choice:
+                        yield event
 
     def _ticket(self, call: Call) -> Ticket:
         """Open the request's session and hold it under a ticket."""
@@ -210,6 +231,7 @@ class Gateway:
             created=not existed,
             key=call.request_key,
             track_write=self._track_write,
+            on_written=self.metrics.store_write,
         )
 
     def _track_write(self, write: asyncio.Task[None]) -> None:
@@ -233,14 +255,13 @@ class Gateway:
         One request, one turn per choice: a retry never samples again. Only turns that reached the
         store are replayed.
         """
-        key = ticket.key
-        if key is None:
+        request = await ticket.first_attempt()
+        if request is None:
             return None
-        await ticket.first_attempt()
         session = ticket.session
         nodes = [
             n
-            for n in session.tree.turns_for_request(key)
+            for n in session.tree.turns_of_request(request)
             if n.finish_reason != "abort" and n.id not in session.unstored
         ]
         if not nodes:
@@ -266,7 +287,7 @@ class Gateway:
         index: int,
         constraint: Constraint | None,
         trace_id: str | None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         session: Session = ticket.session
         await self._running.wait()  # a weight update is in progress: wait, do not fail
         epoch, version = self._abort_epoch, self.policy_version
@@ -288,8 +309,11 @@ class Gateway:
             async for delta in run.stream():
                 yield delta
         finally:
+            self._observe_generation(run)
             # Record even a cut-short generation: every sampled token stays on the tape.
-            if run.tokens or run.completed:
+            # Not what a failed engine answer sent before it failed: that is not trusted.
+            if (run.tokens or run.completed) and not run.engine_fault:
+                rewrites = len(session.tree.rewrites)
                 node = session.tree.attach(
                     plan.turn,
                     sampled=[t.token_id for t in run.tokens],
@@ -299,11 +323,19 @@ class Gateway:
                     prompt_length=plan.prompt_length,
                     reply=run.partial_reply().message(),
                     request_key=ticket.key,
-                    policy_version=version,
-                    constrained=constraint is not None,
+                    request=ticket.request,
                     trace_id=trace_id,
+                    policy_version=version,
+                    logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
+                    template_inputs=plan.template_inputs,
+                    constrained=constraint is not None,
                 )
                 write = ticket.write(node)
+                self.metrics.turn_recorded(
+                    prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish
+                )
+                for rewrite in session.tree.rewrites[rewrites:]:
+                    self.metrics.rewrite(rewrite.kind)
         assert write is not None  # a generation that ended normally was recorded above
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
@@ -311,3 +343,9 @@ class Gateway:
 
     def _count_engine_call(self) -> None:
         self.engine_calls += 1
+
+    def _observe_generation(self, run: ChoiceRun) -> None:
+        if run.started_at is None or run.last_token_at is None:
+            return  # no token came: nothing to time
+        first = None if run.first_token_at is None else run.first_token_at - run.started_at
+        self.metrics.generation(seconds=run.last_token_at - run.started_at, first_token_seconds=first)

@@ -10,14 +10,24 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokentape.core.messages import Message, chain_of
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound
 from tokentape.store.sqlite import SqliteStore
 
-__all__ = ["MemoryLimits", "Session", "SessionRegistry", "REWRITE_POLICIES", "check_session_id", "check_policy"]
+__all__ = [
+    "MemoryLimits",
+    "PrefixMatch",
+    "Session",
+    "SessionRegistry",
+    "REWRITE_POLICIES",
+    "check_session_id",
+    "check_policy",
+]
 
 REWRITE_POLICIES: tuple[RewritePolicy, ...] = ("tape", "fork", "strict")
 UNNAMED_REQUESTS_KEPT = 4096  # SDK retries come within seconds; this covers minutes of traffic
@@ -58,7 +68,14 @@ class Session:
     in_flight: int = 0  # requests holding a ticket now; a session is never evicted while one runs
     last_used: float = field(default_factory=time.monotonic)
     claims: dict[bytes, Claim] = field(default_factory=dict)  # request key -> its latest running request
+    latest: dict[bytes, int] = field(default_factory=dict)  # request key -> its latest request number
     unstored: set[int] = field(default_factory=set)  # turns whose write failed: never acknowledged or replayed
+
+    @classmethod
+    def restored(cls, tree: SessionTree) -> Session:
+        """A session reloaded from the store: request numbers and retry keys as its turns recorded them."""
+        numbers = {node.request for node in tree.nodes if node.request is not None}
+        return cls(tree, requests=len(numbers), numbered=max(numbers, default=0), latest=tree.latest_requests())
 
     @property
     def id(self) -> str:
@@ -79,6 +96,21 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How an unnamed request was placed in prefix-matching mode (sent back in a response header).
+
+    outcome: `matched` (its history is a live branch of exactly one session: it continues that
+    session), `new` (no assistant message to match: a first turn), `ambiguous` (several live
+    sessions recorded that same history: a new session), `unmatched` (no live session recorded its
+    history, e.g. an edited or compacted one: a new session).
+    """
+
+    outcome: str
+    session_id: str | None = None  # the session continued (`matched` only)
+    candidates: int = 0  # live sessions whose branches the history matched
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryLimits:
     """Sessions are always in the store; these bound how many stay in memory as well."""
 
@@ -94,12 +126,16 @@ class SessionRegistry:
         default_policy: RewritePolicy = "tape",
         store: SqliteStore | None = None,
         limits: MemoryLimits = MemoryLimits(),
+        *,
+        match_prefix: bool = False,
     ) -> None:
         self.default_policy: RewritePolicy = default_policy
+        self.match_prefix = match_prefix  # unnamed chat requests continue the one session they extend
         self.store = store or SqliteStore(":memory:")
         self.limits = limits
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
+        self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
 
@@ -114,19 +150,40 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def match(self, messages: Sequence[Message]) -> PrefixMatch:
+        """The live session an unnamed request continues: the one whose branches recorded the
+        request's history up to its last assistant message, reply included.
+
+        Only sessions in memory and not finished are candidates (one dictionary lookup each). The
+        whole history must match, so an edited reply never continues a session: it is `unmatched`.
+        """
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        if last < 0:
+            return PrefixMatch("new")
+        chain = chain_of(messages[: last + 1])
+        found = [s.id for s in self._sessions.values() if not s.tree.outcome.finished and s.tree.has_chain(chain)]
+        if len(found) == 1:
+            self.get(found[0])  # marks it used
+            return PrefixMatch("matched", found[0], 1)
+        return PrefixMatch("ambiguous" if found else "unmatched", None, len(found))
+
+    def live(self) -> int:
+        """Sessions in memory and not finished."""
+        return sum(1 for session in self._sessions.values() if not session.tree.outcome.finished)
+
     def _load(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)
         if session is None:
             tree = self.store.load(session_id)
             if tree is None:
                 return None
-            session = Session(tree)
+            session = Session.restored(tree)
             self._sessions[session_id] = session
         session.last_used = time.monotonic()
         return session
 
     def get(self, session_id: str) -> Session:
-        session = self._load(session_id)
+        session = self._load(check_session_id(session_id))
         if session is None:
             raise NotFound(f"no session {session_id!r}", param="session_id", code="session_not_found")
         return session
@@ -146,7 +203,7 @@ class SessionRegistry:
         return session
 
     def exists(self, session_id: str) -> bool:
-        return self._load(session_id) is not None
+        return self._load(check_session_id(session_id)) is not None
 
     def discard(self, session_id: str) -> None:
         """Forget a session that was never written (the requests that opened it recorded nothing)."""
@@ -173,7 +230,7 @@ class SessionRegistry:
             if session_id not in self._sessions:
                 tree = self.store.load(session_id)
                 if tree is not None:
-                    listed.append(Session(tree))
+                    listed.append(Session.restored(tree))
         return listed
 
     def _evict(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -61,6 +62,7 @@ class Ticket:
         created: bool,
         key: bytes | None,
         track_write: Callable[[asyncio.Task[None]], None],
+        on_written: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.sessions = sessions
         self.admission = admission
@@ -69,6 +71,7 @@ class Ticket:
         self.key = key
         self.request: int | None = None  # the session's number for this request, once claimed
         self._track_write = track_write
+        self._on_written = on_written  # seconds one turn's store write took
         self._claim: Claim | None = None
         self._admitted = False
         self._in_flight = False
@@ -102,14 +105,18 @@ class Ticket:
 
     # -- the steps of a request, in order ----------------------------------------------------------
     async def first_attempt(self) -> int | None:
-        """For a retry: the request it repeats (the latest with its key), once that has finished."""
+        """For a retry: the number of the request it repeats (the latest with its key), once that
+        request has finished and its turns are written; None if there is none."""
         if self.key is None:
             return None
         running = self.session.claims.get(self.key)
         if running is not None:
-            await asyncio.shield(running.done)
-            return running.request
-        return None
+            self.sessions.retries_waiting += 1
+            try:
+                await asyncio.shield(running.done)
+            finally:
+                self.sessions.retries_waiting -= 1
+        return self.session.latest.get(self.key)
 
     def claim(self) -> None:
         """Number the request, claim its key, admit it, count it in flight."""
@@ -119,6 +126,7 @@ class Ticket:
         if self.key is not None:
             self._claim = Claim(self.request, asyncio.get_running_loop().create_future())
             session.claims[self.key] = self._claim
+            session.latest[self.key] = self.request
         session.check_open()
         self.admission.take()
         self._admitted = True
@@ -130,7 +138,9 @@ class Ticket:
 
         async def save() -> None:
             try:
+                started = time.monotonic()
                 saved = await self.sessions.store.save_turn(self.session.tree, node, self.key)
+                self._on_written(time.monotonic() - started)
             except Exception as exc:
                 self.session.unstored.add(node.id)
                 raise StoreFailure(f"turn {node.id} of session {self.session.id!r} was not stored: {exc}") from exc

@@ -19,7 +19,7 @@ __all__ = ["Finding", "audit"]
 
 Verdict = Literal["exact", "bridged", "rewrite", "note", "problem"]
 _OPTIONS = RenderOptions()
-_TOOL = {
+_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "lookup",
@@ -100,17 +100,20 @@ def audit(renderer: Renderer) -> list[Finding]:
         )
     findings.append(Finding("  stop tokens", "note", ", ".join(f"{tokenizer.decode_all([t])!r}={t}" for t in stops)))
 
-    # 2. truncated turn
+    # 2. truncated turn: the bridge after a reply cut by max_tokens, against the full rendering
     reply = {"role": "assistant", "content": "A small"}
-    tape, _, _ = _tape_after(
-        renderer, user, reply, tokenizer.encode("A small"), None, [{"role": "user", "content": "Go on."}]
-    )
+    go_on = [{"role": "user", "content": "Go on."}]
+    bridge = renderer.bridge([*user, reply, *go_on], len(user), reply, None, _OPTIONS)
+    exact = _continues_full_rendering(renderer, [*user, reply], go_on, bridge.text)
     findings.append(
         Finding(
             "2 truncated turn",
-            "bridged",
-            f"a reply cut by max_tokens gets the whole close "
-            f"{close!r} bridged ({len(close_ids)} tokens), never trained",
+            "bridged" if exact else "problem",
+            f"a reply cut by max_tokens gets the whole close {close!r} bridged ({len(close_ids)} tokens), never "
+            "trained, then what the full rendering writes after it"
+            if exact
+            else f"the bridge after a reply cut by max_tokens ({bridge.text!r}) is NOT what the full rendering "
+            "writes there",
         )
     )
 
@@ -172,23 +175,62 @@ def audit(renderer: Renderer) -> list[Finding]:
         six.append("the template trims message content (sampled white space stays on the tape)")
     findings.append(Finding("6 template text", "note" if six else "exact", "; ".join(six) or "nothing injected"))
 
-    # anchoring: a bridge must not depend on history beyond its anchor
-    long_history: list[dict[str, Any]] = []
-    for i in range(30):
-        long_history += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
-    short = [*user, {"role": "assistant", "content": answer}, {"role": "user", "content": "Next"}]
-    a = renderer.bridge(short, 1, short[1], stop, _OPTIONS).tokens
-    b = renderer.bridge([*long_history, *short], len(long_history) + 1, short[1], stop, _OPTIONS).tokens
-    findings.append(
-        Finding(
-            "  bridge cost",
-            "exact" if a == b else "problem",
-            "bridges are rendered from an anchor: cost stays flat with history"
-            if a == b
-            else "the template's rendering of new messages depends on older history",
-        )
-    )
+    findings.append(_state_finding(renderer))
+    findings.append(_tools_in_history_finding(renderer))
     return findings
+
+
+def _continues_full_rendering(
+    renderer: Renderer, recorded: list[dict[str, Any]], new: list[dict[str, Any]], bridge: str
+) -> bool:
+    """Whether `bridge` (after a reply whose end the engine did not sample) is the turn close and what
+    the whole conversation's rendering writes after it."""
+    close = renderer.turn_close
+    head = renderer.render_text(recorded, False, _OPTIONS)
+    full = renderer.render_text([*recorded, *new], True, _OPTIONS)
+    if full.startswith(head) and head.endswith(close):
+        return bridge == full[len(head) - len(close) :]
+    # the template renders the reply otherwise once new messages follow: compare what follows it
+    after = bridge[len(close) :]
+    return bridge.startswith(close) and full.endswith(after) and full[: len(full) - len(after)].endswith(close)
+
+
+def _state_finding(renderer: Renderer) -> Finding:
+    """Whether the template carries state across messages (then bridges render from the start)."""
+    if renderer.anchor_safe:
+        return Finding(
+            "  state across messages",
+            "exact",
+            "none on tool rounds, several tool results, reasoning, system prompts: bridges are rendered "
+            "from the last user message, cost stays flat with history",
+        )
+    return Finding(
+        "  state across messages",
+        "note",
+        "the template renders new messages differently depending on older ones "
+        f"({renderer.anchor_difference}): bridges are rendered from the first message (Jinja "
+        "only; only the new segment is tokenized)",
+    )
+
+
+def _tools_in_history_finding(renderer: Renderer) -> Finding:
+    """Whether offering other tools changes how the recorded history renders."""
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    other = {**_TOOL, "function": {**_TOOL["function"], "name": "define"}}
+    first = renderer.render_text(history, False, RenderOptions(tools=[_TOOL]))
+    second = renderer.render_text(history, False, RenderOptions(tools=[_TOOL, other]))
+    where = "by the template" if renderer.native_tools else "by tokentape's default tool prompt"
+    if first != second:
+        return Finding(
+            "  tools in history",
+            "rewrite",
+            f"the tool list is rendered in the system prompt ({where}): offering other tools mid-episode "
+            "changes the recorded history, a rewrite handled by the rewrite policy",
+        )
+    return Finding("  tools in history", "exact", "the tools offered do not change how the history renders")
 
 
 def _tool_finding(renderer: Renderer) -> Finding:

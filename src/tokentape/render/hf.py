@@ -59,8 +59,8 @@ class HFTokenizer:
         self._control = frozenset(token_id for token_id, token in added.items() if token.special)
         named = {tokenizer.token_to_id(name) for name in END_OF_TURN_NAMES}
         self.end_of_turn_ids = frozenset(t for t in {*named, *end_of_turn} if t is not None)
-        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
-        self._byte_level = "ByteLevel" in json.dumps(decoder)
+        # the decoder's repr names nested decoders too; serialising the whole tokenizer costs a second
+        self._byte_level = "ByteLevel" in repr(tokenizer.decoder)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids

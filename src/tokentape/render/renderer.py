@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after_reply, turn_close_after
-from tokentape.core.messages import Message
+from tokentape.core.messages import Message, same_inputs, template_inputs
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
 from tokentape.render.template import ChatTemplate
@@ -38,6 +38,8 @@ _CALL_EXAMPLES: dict[ToolFormat, str] = {
     "<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "llama3": '{"name": <function-name>, "parameters": <args-json-object>}',
     "glm": "<tool_call><function-name><arg_key><name></arg_key><arg_value><value></arg_value></tool_call>",
+    "minimax": '<minimax:tool_call>\n<invoke name="<function-name>">\n<parameter name="<name>"><value></parameter>\n'
+    "</invoke>\n</minimax:tool_call>",
     "qwen_xml": "<tool_call>\n<function=<function-name>>\n<parameter=<name>>\n<value>\n</parameter>\n"
     "</function>\n</tool_call>",
 }
@@ -47,6 +49,8 @@ def detect_tool_format(template_source: str) -> ToolFormat | None:
     """The tool-call syntax a chat template renders, or None if it renders no tool calls."""
     if "<｜tool▁call▁begin｜>" in template_source or "<｜tool▁calls▁begin｜>" in template_source:
         return "deepseek"
+    if "<minimax:tool_call>" in template_source or "toolcall_begin_token" in template_source:
+        return "minimax"
     if "<function=" in template_source:
         return "qwen_xml"
     if "<arg_key>" in template_source:
@@ -65,6 +69,16 @@ class RenderOptions:
     tools: Sequence[Mapping[str, Any]] | None = None
     template_kwargs: Mapping[str, Any] | None = None
 
+    def inputs(self) -> dict[str, Any] | None:
+        """These options as a turn records them (`messages.template_inputs`)."""
+        return template_inputs(self.tools, self.template_kwargs)
+
+    @classmethod
+    def of(cls, inputs: Mapping[str, Any] | None) -> RenderOptions:
+        """The options a turn recorded."""
+        inputs = inputs or {}
+        return cls(tools=inputs.get("tools"), template_kwargs=inputs.get("template_kwargs"))
+
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
@@ -77,8 +91,9 @@ class Prompt:
 class Bridge:
     tokens: list[int]
     text: str
-    template_rewrite: bool  # the template renders the earlier reply differently once new messages follow
+    template_rewrite: bool  # the recorded history renders differently once the new request follows
     opens_reasoning: bool
+    detail: str = ""  # why it is a rewrite
 
 
 class Renderer:
@@ -94,6 +109,9 @@ class Renderer:
         self.reasoning = THINK_CLOSE in template.source
         self.arguments_as_objects = self._takes_object_arguments()
         self.turn_close = self._derive_turn_close()
+        # Templates that carry state across messages (DeepSeek-R1 opens its tool outputs once per
+        # conversation) need bridges rendered from the first message; Jinja is cheap beside tokenizing.
+        self.anchor_safe, self.anchor_difference = self._probe_anchor()
 
     def _takes_object_arguments(self) -> bool:
         """Whether the template wants tool-call arguments as objects (it iterates or `tojson`s them,
@@ -131,31 +149,103 @@ class Renderer:
         reply: Message,
         stop_token: int | None,
         options: RenderOptions,
+        recorded: RenderOptions | None = None,
     ) -> Bridge:
         """Tokens to append after the sampled reply that `messages[reply_index]` echoes.
 
         `reply` is the reply as it was returned (reasoning and tool calls included); `stop_token` is
-        the end-of-turn token the engine sampled last, or None if the turn ended another way.
+        the end-of-turn token the engine sampled last, or None if the turn ended another way;
+        `recorded` the options the recorded history was rendered with (default: `options`).
+
+        The bridge is the template's rendering of the whole request cut right after the reply's turn
+        close. It is rendered from the anchor when this template renders the same from there
+        (`anchor_safe`), from the first message otherwise, or when the options changed.
         """
-        prefix = _anchor(messages, reply_index)
+        recorded = options if recorded is None else recorded
+        changed = not same_inputs(recorded.inputs(), options.inputs())
+        from_start = changed or not self.anchor_safe
+        prefix = list(messages[:reply_index]) if from_start else _anchor(messages, reply_index)
         new = list(messages[reply_index + 1 :])
+        before = self.render_text([*prefix, reply], False, recorded)
+        with_new = self.render_text([*prefix, reply, *new], True, options)
+        rewrite = not with_new.startswith(before)
+        close, after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
+        stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
+        text = strip_sampled_stop(close + after, stop_text)
+        detail = ""
+        if rewrite:
+            detail = (
+                f"the template renders the recorded history differently with the new {_what_changed(recorded, options)}"
+                if changed and self.render_text([*prefix, reply], False, options) != before
+                else "the chat template renders an earlier reply differently once new messages follow"
+            )
+        return Bridge(
+            self.tokenizer.encode(text),
+            text,
+            template_rewrite=rewrite,
+            opens_reasoning=_opens_reasoning(with_new),
+            detail=detail,
+        )
+
+    def _after_reply(
+        self,
+        prefix: list[Message],
+        reply: Message,
+        new: list[Message],
+        options: RenderOptions,
+        before: str,
+        with_new: str,
+        rewrite: bool,
+    ) -> tuple[str, str]:
+        """(the close the template writes after this reply, what it renders after that: the new
+        messages and the generation prompt)."""
+        if not rewrite:
+            # DeepSeek-V3 writes no close after a lone tool call: then none is bridged either
+            close = self.turn_close if before.endswith(self.turn_close) else ""
+            return close, with_new[len(before) :]
+        # The reply renders differently once new messages follow: find its close by a sentinel.
         sentinel = {**_without_reasoning(reply), "content": REPLY_SENTINEL}
         reply_only = self.render_text([*prefix, sentinel], False, options)
         followed = self.render_text([*prefix, sentinel, *new], True, options)
         if followed.startswith(reply_only) and reply_only.endswith(self.turn_close):
-            after = followed[len(reply_only) :]
-        else:
-            after = text_after_reply(followed, self.turn_close)
-        stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
-        text = strip_sampled_stop(self.turn_close + after, stop_text)
+            return self.turn_close, followed[len(reply_only) :]
+        return self.turn_close, text_after_reply(followed, self.turn_close)
+
+    def _probe_anchor(self) -> tuple[bool, str]:
+        """Whether bridges rendered from the anchor equal those rendered from the first message, on
+        the shapes where templates carry state across messages: earlier tool rounds, several tool
+        results, reasoning, with and without a system prompt. Returns (safe, first difference)."""
+        for shape, options in _probe_shapes():
+            for index, message in enumerate(shape):
+                if message.get("role") != "assistant" or index + 1 >= len(shape):
+                    continue
+                end = next((j for j in range(index + 1, len(shape)) if shape[j].get("role") == "assistant"), len(shape))
+                messages = shape[:end]
+                try:
+                    anchored = self._bridge_text(messages, index, _anchor(messages, index), options)
+                    full = self._bridge_text(messages, index, list(messages[:index]), options)
+                except InvalidRequest:
+                    continue  # a shape this template rejects cannot reach it
+                if anchored != full:
+                    roles = ", ".join(str(m.get("role")) for m in messages)
+                    at = next((i for i, (a, b) in enumerate(zip(anchored, full, strict=False)) if a != b), 0)
+                    at = max(0, full.rfind("<", 0, at + 1))  # from the special token that differs
+                    return False, (
+                        f"after the reply at message {index} of ({roles}) the full rendering continues "
+                        f"{full[at : at + 60]!r} where one from the last user message gives {anchored[at : at + 60]!r}"
+                    )
+        return True, ""
+
+    def _bridge_text(
+        self, messages: Sequence[Message], index: int, prefix: list[Message], options: RenderOptions
+    ) -> str:
+        reply = messages[index]
+        new = list(messages[index + 1 :])
         before = self.render_text([*prefix, reply], False, options)
         with_new = self.render_text([*prefix, reply, *new], True, options)
-        return Bridge(
-            self.tokenizer.encode(text),
-            text,
-            template_rewrite=not with_new.startswith(before),
-            opens_reasoning=_opens_reasoning(followed),
-        )
+        rewrite = not with_new.startswith(before)
+        close, after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
+        return close + after
 
     # -- rendering ---------------------------------------------------------------------------------
     def render_text(self, messages: Sequence[Message], generation: bool, options: RenderOptions) -> str:
@@ -174,7 +264,16 @@ class Renderer:
             return prepared, options.tools
         if not self.native_tool_calls:
             prepared = _tool_calls_as_text(prepared)
-        return _with_tool_list(prepared, options.tools or (), _CALL_EXAMPLES[self.tool_format]), None
+        return _with_tool_list(prepared, options.tools or (), self._call_example()), None
+
+    def _call_example(self) -> str:
+        if self.tool_format == "deepseek" and "```json" not in self.template.source:
+            # DeepSeek-V3.1 writes the arguments right after the name, with no type and no fence
+            return (
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function-name><｜tool▁sep｜><args-json-object>"
+                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+            )
+        return _CALL_EXAMPLES[self.tool_format]
 
 
 def _opens_reasoning(text: str) -> bool:
@@ -271,3 +370,70 @@ def _with_tool_list(messages: list[Message], tools: Sequence[Mapping[str, Any]],
         else:
             out.insert(0, {"role": "system", "content": listing})
     return out
+
+
+def _what_changed(recorded: RenderOptions, options: RenderOptions) -> str:
+    parts = []
+    if not same_inputs(template_inputs(recorded.tools, None), template_inputs(options.tools, None)):
+        parts.append("tools")
+    if not same_inputs(template_inputs(None, recorded.template_kwargs), template_inputs(None, options.template_kwargs)):
+        parts.append("chat_template_kwargs")
+    return " and ".join(parts) or "options"
+
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
+
+
+def _probe_call(word: str, index: int) -> dict[str, Any]:
+    arguments = json.dumps({"word": word})
+    return {"id": f"call_{index}", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+
+
+def _probe_shapes() -> list[tuple[list[Message], RenderOptions]]:
+    """Conversations on which a template's state across messages shows, each with its options (the
+    shapes are OpenAI messages; `prepare` gives each template its own form)."""
+    system: list[Message] = [{"role": "system", "content": "Be brief."}]
+    tools = RenderOptions(tools=[_PROBE_TOOL])
+    tool_rounds: list[Message] = [
+        {"role": "user", "content": "Look up cat."},
+        {"role": "assistant", "content": None, "tool_calls": [_probe_call("cat", 1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a feline"},
+        {"role": "assistant", "content": "", "tool_calls": [_probe_call("dog", 2), _probe_call("cow", 3)]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "a canine"},
+        {"role": "tool", "tool_call_id": "call_3", "content": "a bovine"},
+        {"role": "assistant", "content": "Cats, dogs and cows."},
+        {"role": "user", "content": "And a fox?"},
+        {"role": "assistant", "content": None, "tool_calls": [_probe_call("fox", 4)]},
+        {"role": "tool", "tool_call_id": "call_4", "content": "a vulpine"},
+        {"role": "assistant", "content": "A fox is a vulpine."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    reasoning: list[Message] = [
+        {"role": "user", "content": "Two plus two?"},
+        {"role": "assistant", "content": "Four.", "reasoning_content": "2+2=4."},
+        {"role": "user", "content": "Times three?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [_probe_call("x", 5)],
+        },
+        {"role": "tool", "tool_call_id": "call_5", "content": "12"},
+        {"role": "assistant", "content": "Twelve.", "reasoning_content": "4*3=12."},
+        {"role": "user", "content": "Ok."},
+        {"role": "assistant", "content": "Ok."},
+    ]
+    return [
+        ([*system, *tool_rounds], tools),
+        (tool_rounds, tools),
+        ([*system, *reasoning], tools),
+        (reasoning, tools),
+    ]

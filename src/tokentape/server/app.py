@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Request, Response
+from starlette.convertors import Convertor, register_url_convertor
 
 from tokentape.core.messages import flatten_text_parts
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
+from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
 from tokentape.server.dialects.anthropic import AnthropicMessages, MessagesRequest
@@ -39,6 +41,23 @@ async def _parse(request: Request, model: type[Any]) -> tuple[Any, dict[str, Any
         return model.model_validate(data), data
     except pydantic.ValidationError as exc:
         raise invalid_from_validation(exc) from exc
+
+
+class _AnySessionName(Convertor[str]):
+    """Matches any text as a base-URL session name, slashes and newlines included, so that every
+    bad name reaches the serving layer and is rejected there (400, in its dialect's error shape)
+    instead of missing every route."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("session", _AnySessionName())
 
 
 def _session_path(session_id: str = Path(description="The session every call under this base URL belongs to")) -> None:
@@ -163,10 +182,16 @@ def create_app(
     )
 
     app.include_router(openai_routes, prefix="/v1")
-    app.include_router(openai_routes, prefix="/sessions/{session_id}/v1", dependencies=[Depends(_session_path)])
+    app.include_router(openai_routes, prefix="/sessions/{session_id:session}/v1", dependencies=[Depends(_session_path)])
     app.include_router(token_routes)
-    app.include_router(token_routes, prefix="/sessions/{session_id}", dependencies=[Depends(_session_path)])
+    app.include_router(token_routes, prefix="/sessions/{session_id:session}", dependencies=[Depends(_session_path)])
     app.add_api_route("/health", health, methods=["GET"])
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus metrics: sessions, turns, tokens, rewrites, engine and store latency, 429s."""
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 

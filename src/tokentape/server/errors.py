@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokentape.errors import InvalidRequest, NotFound, Overloaded, TokentapeError
+from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 
 __all__ = [
     "ANTHROPIC_ERRORS",
@@ -110,7 +110,7 @@ def _shape_of(request: Request) -> ErrorShape:
 
 def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
     headers = None
-    if isinstance(exc, Overloaded):  # what the openai SDK honours before it retries
+    if exc.retry_after is not None:  # what the openai SDK honours before it retries
         headers = {
             "retry-after": str(max(1, round(exc.retry_after))),
             "retry-after-ms": str(int(exc.retry_after * 1000)),

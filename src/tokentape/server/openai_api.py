@@ -103,7 +103,8 @@ class OpenAIChat(_OpenAI):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return ChatCall(
             messages=[flatten_text_parts(m) for m in raw["messages"]],
-            sampling=_sampling(req, max_tokens, logprobs=bool(req.logprobs) or top > 0, top_logprobs=top),
+            # top_logprobs without logprobs: true is a 400 (SamplingParams), as OpenAI answers it
+            sampling=_sampling(req, max_tokens, logprobs=bool(req.logprobs), top_logprobs=top),
             options=RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs),
             session_id=origin.session_id,
             rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,

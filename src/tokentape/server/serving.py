@@ -30,6 +30,7 @@ from tokentape.server.sessions_api import json_object
 __all__ = ["Dialect", "Origin", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
 SESSION_HEADER = "x-session-id"
+PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
 
 Req = TypeVar("Req", bound=pydantic.BaseModel)
@@ -113,6 +114,8 @@ class Serving:
             events = self.gateway.run(dialect.call(req, raw, origin))
             started = await _first(events)
             headers = {"X-Session-ID": started.session_id}
+            if started.prefix_match is not None:
+                headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
             if not dialect.streams(req):
                 choices = await _until_done_or_gone(request, events)
                 return json_response(dialect.respond(req, started, choices), headers=headers)
@@ -122,26 +125,31 @@ class Serving:
         return handle
 
     def origin(self, request: Request, body_session: str | None, body: bytes) -> Origin:
+        """Who the request is. Every session name it carries is checked. The base URL's session
+        wins; a header or body name that differs from it is kept as the client's trace id. Without
+        a base-URL session, a header and a body field that disagree are an error."""
         key = hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
         retry = _is_retry(request)
-        session_id, trace_id = _session_names(request, body_session)
+        in_path = _checked(request.path_params.get("session_id"))
+        others = [name for name in (_checked(request.headers.get(SESSION_HEADER)), _checked(body_session)) if name]
+        trace_id = None
+        if in_path is not None:
+            session_id: str | None = in_path
+            trace_id = next((name for name in others if name != in_path), None)
+        elif len(set(others)) > 1:
+            raise InvalidRequest(
+                "the X-Session-ID header and the session_id field name different sessions", param="session_id"
+            )
+        else:
+            session_id = others[0] if others else None
         if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
             session_id = self.gateway.sessions.unnamed_session(key)
         return Origin(session_id, key, retry, trace_id)
 
 
-def _session_names(request: Request, body_session: str | None) -> tuple[str | None, str | None]:
-    """(the session, the client's trace id). The base URL wins: a header or body field naming another
-    session is the client's own name for the call (agent harnesses send a trace id there), kept on the
-    turn. Without a base URL, a header and a body field that disagree are an error."""
-    in_path = request.path_params.get("session_id")
-    others = [value for value in (request.headers.get(SESSION_HEADER), body_session) if value]
-    if in_path:
-        trace = next((value for value in others if value != in_path), None)
-        return check_session_id(in_path), check_session_id(trace) if trace is not None else None
-    if len(set(others)) > 1:
-        raise InvalidRequest("the request names more than one session", param="session_id")
-    return (check_session_id(others[0]) if others else None), None
+def _checked(name: str | None) -> str | None:
+    """A session name as sent (an empty one counts as none), or InvalidRequest."""
+    return check_session_id(name) if name else None
 
 
 def _is_retry(request: Request) -> bool:
@@ -190,11 +198,14 @@ async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, No
             pass
 
     work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
-    finished, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    watch.cancel()
-    if work not in finished:
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the client left, or this handler itself was cancelled: stop generating either way
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
         return []
     return work.result()

@@ -152,8 +152,11 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
             raise InvalidRequest(f"metadata is limited to {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
         session.tree.outcome.metadata = metadata
+        newly = not session.tree.outcome.finished
         session.finish()
         await sessions.persist(session)
+        if newly:
+            gateway.metrics.session_finished()
         return session.summary()
 
     @app.get("/sessions/{session_id}/export")

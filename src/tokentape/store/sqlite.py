@@ -50,15 +50,24 @@ CREATE TABLE IF NOT EXISTS turns (
     rewrite TEXT,
     request_key BLOB,
     policy_version TEXT,
-    constrained INTEGER NOT NULL DEFAULT 0,
+    request_no INTEGER,
     trace_id TEXT,
+    logprob_mode TEXT,
+    template_inputs TEXT,
+    constrained INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, id)
 );
 CREATE INDEX IF NOT EXISTS turns_by_request ON turns (session_id, request_key);
 """
 
 
-_ADDED_COLUMNS = {"constrained": "INTEGER NOT NULL DEFAULT 0", "trace_id": "TEXT"}
+_ADDED_TURN_COLUMNS = (
+    ("request_no", "INTEGER"),
+    ("trace_id", "TEXT"),
+    ("logprob_mode", "TEXT"),
+    ("template_inputs", "TEXT"),
+    ("constrained", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 def _ints(values: tuple[int, ...]) -> bytes:
@@ -79,6 +88,19 @@ def _unfloats(blob: bytes) -> tuple[float, ...]:
     out = array("d")
     out.frombytes(blob)
     return tuple(out)
+
+
+def _inputs_json(node: TurnNode) -> str | None:
+    """A turn's template inputs; NULL when it shares its parent's (long episodes store them once)."""
+    if node.parent is not None and node.template_inputs is node.parent.template_inputs:
+        return None
+    return json.dumps(node.template_inputs) if node.template_inputs is not None or node.parent else None
+
+
+def _inputs_of(saved: str | None, parent: TurnNode | None) -> Any:
+    if saved is None:
+        return parent.template_inputs if parent is not None else None
+    return json.loads(saved)
 
 
 def _outcome_json(outcome: Outcome) -> str:
@@ -113,9 +135,9 @@ class SqliteStore:
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.executescript(_SCHEMA)
         columns = {row[1] for row in connection.execute("PRAGMA table_info(turns)")}
-        for column, declaration in _ADDED_COLUMNS.items():  # stores written before these columns existed
+        for column, kind in _ADDED_TURN_COLUMNS:  # a store written by an earlier version
             if column not in columns:
-                connection.execute(f"ALTER TABLE turns ADD COLUMN {column} {declaration}")
+                connection.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
         self._connection = connection
 
     @property
@@ -153,7 +175,10 @@ class SqliteStore:
                 self.db.execute("ROLLBACK")
                 return False
             self.db.execute(
-                "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO turns (session_id, id, parent, keep, context, context_origin, sampled, "
+                "logprobs, finish_reason, prompt_chain, chain, message_count, reply, rewrite, request_key, "
+                "policy_version, request_no, trace_id, logprob_mode, template_inputs, constrained) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     tree.session_id,
                     node.id,
@@ -171,8 +196,11 @@ class SqliteStore:
                     json.dumps(node.rewrite.as_dict()) if node.rewrite else None,
                     request_key,
                     node.policy_version,
-                    int(node.constrained),
+                    node.request,
                     node.trace_id,
+                    node.logprob_mode,
+                    _inputs_json(node),
+                    int(node.constrained),
                 ),
             )
             self.db.execute("COMMIT")
@@ -234,9 +262,14 @@ class SqliteStore:
         outcome.branch_rewards = {int(k): v for k, v in (saved.get("branch_rewards") or {}).items()}
         outcome.turn_rewards = {int(k): v for k, v in (saved.get("turn_rewards") or {}).items()}
         outcome.finished_at = saved.get("finished_at")
-        for turn in self.db.execute("SELECT * FROM turns WHERE session_id = ? ORDER BY id", (session_id,)):
+        for turn in self.db.execute(
+            "SELECT id, parent, keep, context, context_origin, sampled, logprobs, finish_reason, prompt_chain, "
+            "chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id, logprob_mode, "
+            "template_inputs, constrained "
+            "FROM turns WHERE session_id = ? ORDER BY id",
+            (session_id,),
+        ):
             (
-                _,
                 ident,
                 parent,
                 keep,
@@ -252,9 +285,13 @@ class SqliteStore:
                 rewrite,
                 request_key,
                 policy_version,
-                constrained,
+                request_no,
                 trace_id,
+                logprob_mode,
+                inputs,
+                constrained,
             ) = turn
+            parent_node = tree.nodes[parent] if parent is not None else None
             tree.restore(
                 TurnNode(
                     id=ident,
@@ -272,9 +309,12 @@ class SqliteStore:
                     reply=json.loads(reply),
                     rewrite=Rewrite(**json.loads(rewrite)) if rewrite else None,
                     request_key=request_key,
-                    policy_version=policy_version,
-                    constrained=bool(constrained),
+                    request=request_no,
                     trace_id=trace_id,
+                    policy_version=policy_version,
+                    logprob_mode=logprob_mode,
+                    template_inputs=_inputs_of(inputs, parent_node),
+                    constrained=bool(constrained),
                 )
             )
         return tree

@@ -1,0 +1,92 @@
+"""Prometheus metrics of one gateway, served at `GET /metrics`.
+
+The gateway reports events as they happen, through the few methods below (a session finished, a turn
+recorded, a rewrite, a generation timed, a request turned away, a store write timed); gauges are read
+when scraped. Each gateway has its own registry, so several in one process never mix their counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Engine calls run from milliseconds (a cached short reply) to minutes (long generations on a CPU).
+ENGINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A store write is one SQLite transaction: well under a millisecond to tens of milliseconds.
+STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._sessions_live = Gauge("tokentape_sessions_live", "Sessions in memory and not finished", registry=r)
+        self._sessions_finished = Counter("tokentape_sessions_finished", "Sessions marked finished", registry=r)
+        self._turns = Counter("tokentape_turns", "Turns recorded (one per choice)", ["finish_reason"], registry=r)
+        self._tokens_in = Counter(
+            "tokentape_prompt_tokens", "Prompt tokens sent to the engine, one count per turn", registry=r
+        )
+        self._tokens_out = Counter(
+            "tokentape_sampled_tokens", "Tokens the engine sampled (all on the tape)", registry=r
+        )
+        self._rewrites = Counter(
+            "tokentape_rewrites", "Requests that rewrote recorded history, by kind", ["kind"], registry=r
+        )
+        self._engine = Histogram(
+            "tokentape_engine_seconds",
+            "One generation: engine call to its last token",
+            buckets=ENGINE_BUCKETS,
+            registry=r,
+        )
+        self._first_token = Histogram(
+            "tokentape_time_to_first_token_seconds",
+            "Engine call to the first sampled token",
+            buckets=ENGINE_BUCKETS,
+            registry=r,
+        )
+        self._queue = Gauge(
+            "tokentape_requests_active", "Requests admitted and not done (waiting for or using the engine)", registry=r
+        )
+        self._overloaded = Counter(
+            "tokentape_overloaded_rejections", "Requests answered 429 because too many were waiting", registry=r
+        )
+        self._store = Histogram(
+            "tokentape_store_write_seconds", "Writing one turn to the store", buckets=STORE_BUCKETS, registry=r
+        )
+
+    # -- gauges, read when scraped ---------------------------------------------------------------------
+    def watch(self, *, live_sessions: Callable[[], int], active_requests: Callable[[], int]) -> None:
+        self._sessions_live.set_function(lambda: float(live_sessions()))
+        self._queue.set_function(lambda: float(active_requests()))
+
+    # -- events ----------------------------------------------------------------------------------------
+    def session_finished(self) -> None:
+        self._sessions_finished.inc()
+
+    def turn_recorded(self, *, prompt_tokens: int, sampled_tokens: int, finish_reason: str) -> None:
+        self._turns.labels(finish_reason=finish_reason).inc()
+        self._tokens_in.inc(prompt_tokens)
+        self._tokens_out.inc(sampled_tokens)
+
+    def rewrite(self, kind: str) -> None:
+        self._rewrites.labels(kind=kind).inc()
+
+    def generation(self, *, seconds: float, first_token_seconds: float | None) -> None:
+        self._engine.observe(seconds)
+        if first_token_seconds is not None:
+            self._first_token.observe(first_token_seconds)
+
+    def overloaded(self) -> None:
+        self._overloaded.inc()
+
+    def store_write(self, seconds: float) -> None:
+        self._store.observe(seconds)
+
+    # -- exposition ------------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)

@@ -1,0 +1,298 @@
+"""The cluster's actors: the session directory, the gateways (each serving the HTTP API on its own
+port and owning its sessions and its store shard) and the trajectory queue a trainer reads.
+
+Names are fixed per namespace so any process of the cluster finds them with `ray.get_actor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
+from tokentape.ray.placement import SessionPlacement
+from tokentape.ray.routing import OwnerRouting
+from tokentape.runtime import RuntimeSettings
+
+__all__ = [
+    "NAMESPACE",
+    "DIRECTORY",
+    "GatewaySpec",
+    "SessionDirectory",
+    "GatewayActor",
+    "GatewayActorClass",
+    "SessionDirectoryActor",
+    "TrajectoryQueueActor",
+    "TrajectoryQueue",
+    "RayPeers",
+    "gateway_name",
+    "queue_name",
+]
+
+NAMESPACE = "tokentape"
+DIRECTORY = "tokentape-directory"
+
+
+def gateway_name(index: int) -> str:
+    return f"tokentape-gateway-{index}"
+
+
+def queue_name(name: str) -> str:
+    return f"tokentape-trajectories-{name}"
+
+
+class SessionDirectory:
+    """Which gateway owns which session. It holds no tape: if it restarts, it learns placements
+    again by asking the gateways, whose shards hold every session they own."""
+
+    def __init__(self) -> None:
+        self.placement = SessionPlacement()
+
+    async def join(self, index: int, url: str) -> None:
+        self.placement.add_gateway(index, url)
+
+    async def gateways(self) -> dict[int, str]:
+        return dict(self.placement.urls)
+
+    async def owner(self, session_id: str, group_id: str | None = None) -> int:
+        known = self.placement.owner(session_id)
+        if known is not None:
+            return known
+        holders: list[bool] = await asyncio.gather(
+            *(ray.get_actor(gateway_name(i), namespace=NAMESPACE).holds.remote(session_id) for i in self.placement.urls)
+        )
+        for index, holds in zip(list(self.placement.urls), holders, strict=True):
+            if holds:
+                self.placement.record(session_id, index, group_id)
+                return index
+        return self.placement.place(session_id, group_id)
+
+    async def least_loaded(self) -> int:
+        load = self.placement.load()
+        if not load:
+            raise LookupError("no gateway has joined the cluster")
+        return min(load, key=lambda index: (load[index], index))
+
+    async def finished(self, session_id: str) -> None:
+        self.placement.finished(session_id)
+
+    async def forget(self, session_id: str) -> None:
+        self.placement.forget(session_id)
+
+    async def load(self) -> dict[int, int]:
+        return self.placement.load()
+
+
+class RayPeers:
+    """`Peers` over Ray: the directory decides, gateway actors answer."""
+
+    def __init__(self, self_index: int | None) -> None:
+        self._self_index = self_index
+        self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        self._owners: dict[str, int] = {}  # a cache: ownership never changes once placed
+        self._handles: dict[int, Any] = {}
+
+    @property
+    def self_index(self) -> int | None:
+        return self._self_index
+
+    async def owner(self, session_id: str, group_id: str | None = None) -> int:
+        if (index := self._owners.get(session_id)) is None:
+            index = await self.directory.owner.remote(session_id, group_id)
+            if len(self._owners) > 200_000:
+                self._owners.clear()
+            self._owners[session_id] = index
+        return index
+
+    async def least_loaded(self) -> int:
+        index: int = await self.directory.least_loaded.remote()
+        return index
+
+    async def gateways(self) -> dict[int, str]:
+        urls: dict[int, str] = await self.directory.gateways.remote()
+        return urls
+
+    def _gateway(self, index: int) -> Any:
+        if index not in self._handles:
+            self._handles[index] = ray.get_actor(gateway_name(index), namespace=NAMESPACE)
+        return self._handles[index]
+
+    async def forward(self, index: int, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+        stream = self._gateway(index).handle.remote(request)
+        done = False
+        try:
+            async for ref in stream:
+                yield await ref
+            done = True
+        finally:
+            if not done:  # the client left: the owner's app sees a disconnect and aborts the generation
+                ray.cancel(stream)
+
+    async def finished(self, session_id: str) -> None:
+        await self.directory.finished.remote(session_id)
+
+    async def forget(self, session_id: str) -> None:
+        self._owners.pop(session_id, None)
+        await self.directory.forget.remote(session_id)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySpec:
+    index: int
+    host: str
+    port: int
+    shard: str  # this gateway's SQLite file, on its node
+    runtime: RuntimeSettings
+    model_id: str | None = None
+    trajectory_queue: str | None = None  # hand finished sessions to this queue
+    engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
+
+
+class GatewayActor:
+    """One gateway: its sessions in memory, its turns in its shard, the HTTP API on its port. Killed,
+    Ray starts it again with the same spec: it reloads its shard and serves the same URL."""
+
+    async def __init__(self, spec: GatewaySpec) -> None:  # type: ignore[misc]  # Ray awaits an async actor's __init__
+        import uvicorn
+
+        from tokentape.runtime import build_gateway
+        from tokentape.server.app import create_app
+
+        self.spec = spec
+        Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
+        from tokentape.engines.remote import make_engine
+        from tokentape.ray.engines import ENGINE_REGISTRY, ActorEngine, SharedRouter, engine_actor_name
+
+        engines = [make_engine(s) for s in spec.runtime.engines] or [
+            ActorEngine(engine_actor_name(i)) for i in range(spec.engine_actors)
+        ]
+        router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
+        gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
+        self.gateway = gateway
+        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True)
+        self.peers = RayPeers(spec.index)
+        self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
+        self.url = f"http://{spec.host}:{spec.port}"
+        config = uvicorn.Config(self.routing, host=spec.host, port=spec.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        # Bound here, so a port in use fails this constructor with a clear error (uvicorn would exit
+        # the actor's event loop instead).
+        listener = socket.socket(socket.AF_INET6 if ":" in spec.host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((spec.host, spec.port))
+        self._serving = asyncio.get_running_loop().create_task(self.server.serve(sockets=[listener]))
+        while not self.server.started:
+            if self._serving.done():
+                raise RuntimeError(f"gateway {spec.index} could not serve on {self.url}")
+            await asyncio.sleep(0.02)
+        await self.peers.directory.join.remote(spec.index, self.url)
+        if spec.trajectory_queue:
+            self._sweep = asyncio.get_running_loop().create_task(self._hand_off_finished())
+
+    async def handle(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """A request for a session this gateway owns, handed over by another process."""
+        parts = self.routing.local(request)
+        try:
+            async for part in parts:
+                yield part
+        finally:
+            await parts.aclose()  # type: ignore[attr-defined]
+
+    async def holds(self, session_id: str) -> bool:
+        return bool(self.gateway.sessions.exists(session_id))
+
+    async def describe(self) -> dict[str, Any]:
+        return {
+            "index": self.spec.index,
+            "url": self.url,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "shard": self.spec.shard,
+            "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
+            "requests_active": stats.requests_admitted,
+            "engine_calls": stats.engine_calls,
+        }
+
+    async def _export(self, session_id: str) -> dict[str, Any] | None:
+        start, body = await collect(self.routing.local(HttpRequest("GET", f"/sessions/{session_id}/export")))
+        if start.status != 200:
+            return None
+        import orjson
+
+        exported: dict[str, Any] = orjson.loads(body)
+        return exported
+
+    async def _hand_off(self, session_id: str) -> None:
+        assert self.spec.trajectory_queue is not None
+        exported = await self._export(session_id)
+        if exported is not None:
+            queue = ray.get_actor(queue_name(self.spec.trajectory_queue), namespace=NAMESPACE)
+            await queue.put.remote(session_id, exported)  # waits while the queue is full: back-pressure
+
+    async def _hand_off_finished(self) -> None:
+        """After a restart: finished sessions of this shard the queue has not taken yet."""
+        import orjson
+
+        start, body = await collect(self.routing.local(HttpRequest("GET", "/export", b"finished=true&output=jsonl")))
+        if start.status != 200:
+            return
+        queue = ray.get_actor(queue_name(self.spec.trajectory_queue or ""), namespace=NAMESPACE)
+        ids = [orjson.loads(line)["session_id"] for line in body.splitlines() if line.strip()]
+        missing = await queue.missing.remote(sorted(set(ids)))
+        for session_id in missing:
+            with contextlib.suppress(Exception):
+                await self._hand_off(session_id)
+
+
+class TrajectoryQueue:
+    """Finished sessions for a trainer in the same cluster, in the order they finished. Bounded: a
+    full queue makes the gateway wait (back-pressure), it never drops. Each session is handed over
+    once; a session offered again (a gateway's sweep after its restart) is ignored."""
+
+    def __init__(self, capacity: int) -> None:
+        self.items: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue(maxsize=capacity)
+        self.offered: set[str] = set()
+        self.taken = 0
+
+    async def put(self, session_id: str, exported: dict[str, Any]) -> bool:
+        if session_id in self.offered:
+            return False
+        self.offered.add(session_id)
+        await self.items.put((session_id, exported))
+        return True
+
+    async def missing(self, session_ids: list[str]) -> list[str]:
+        return [s for s in session_ids if s not in self.offered]
+
+    async def get(self, max_items: int = 1, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Up to `max_items` finished sessions (their export); waits up to `timeout` for the first."""
+        batch: list[dict[str, Any]] = []
+        try:
+            _, first = await asyncio.wait_for(self.items.get(), timeout)
+        except TimeoutError:
+            return batch
+        batch.append(first)
+        while len(batch) < max_items and not self.items.empty():
+            batch.append(self.items.get_nowait()[1])
+        self.taken += len(batch)
+        return batch
+
+    async def size(self) -> dict[str, int]:
+        return {"waiting": self.items.qsize(), "capacity": self.items.maxsize, "taken": self.taken}
+
+
+# The actor classes. The directory and the queue are restarted with their calls retried; a
+# gateway's calls are not retried (a half-done generation must not run twice): the caller sees an
+# error and the agent's own retry is answered from the tape.
+SessionDirectoryActor: Any = ray.remote(max_restarts=-1, max_task_retries=-1)(SessionDirectory)
+GatewayActorClass: Any = ray.remote(max_restarts=-1, max_task_retries=0)(GatewayActor)
+TrajectoryQueueActor: Any = ray.remote(max_restarts=-1, max_task_retries=-1)(TrajectoryQueue)

@@ -1,0 +1,37 @@
+"""Small runs of the engine checks inside `make test` (`make reliability` runs them at full size): the
+abandon-and-retry storm against a real `tokentape serve`, and malformed engine answers fed to each
+adapter and through the gateway."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability import engine_faults, storm
+
+KINDS = ["vllm", "vllm-generate", "sglang"]
+
+
+async def test_abandoned_requests_leak_no_engine_connection() -> None:
+    figures = await storm.storm_figures(abandoned=600, clients=48)
+    assert figures["abandoned"] >= 600 and figures["errors_5xx"] == 0 and figures["timeouts"] == 0
+    assert figures["answers_after"] == 200 and figures["engine_healthy_after"]
+    after = figures["engine_sockets_after"]
+    assert after.get("close_wait", 0) == 0
+    assert sum(after.values()) <= sum(figures["engine_sockets_before"].values()) + 1
+    assert figures["new_connections_per_request_sequential"] <= 0.05  # kept alive and reused
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_adapters_answer_malformed_engines_with_engine_errors(kind: str) -> None:
+    figures = await engine_faults.adapter_run(kind)
+    assert figures["mutations"] >= 300
+    assert figures["unexpected"] == []
+    assert figures["engine_error"] > 0 and figures["tokens"] > 0  # the table holds both kinds of mutation
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_engine_faults_are_502_and_leave_the_session_unchanged(kind: str) -> None:
+    figures = await engine_faults.gateway_run(kind, limit=40)
+    assert figures["bad"] == []
+    assert figures["statuses"].get(502, 0) > 0
+    assert figures["engine_healthy_after"]

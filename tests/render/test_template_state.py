@@ -1,0 +1,137 @@
+"""What a template reads besides the messages, and state it carries across messages.
+
+- Qwen2.5 lists the tools in its system prompt: a request offering other tools changes how the
+  recorded history renders. That is a rewrite, counted under `tape`, forked under `fork`, rejected
+  under `strict`, also after the session was reloaded from the store.
+- A change that only reaches the new segment (Qwen3's `enable_thinking`, read by the generation
+  prompt alone) is no rewrite.
+- DeepSeek-R1 opens `<｜tool▁outputs▁begin｜>` once per conversation: the bridge of the second tool
+  round must not open it again, as a bridge rendered from the last user message would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.render.corpus import CLOCK, WEATHER, Episode
+from tokentape.core.export import export_session
+from tokentape.errors import Conflict
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer, RenderOptions
+from tokentape.store.sqlite import SqliteStore
+
+
+async def _first_round(ep: Episode) -> None:
+    await ep.turn([{"role": "user", "content": "Weather in Paris?"}], ep.calling([("get_weather", {"city": "Paris"})]))
+    call_id = ep.replies[-1]["tool_calls"][0]["id"]
+    await ep.turn([{"role": "tool", "tool_call_id": call_id, "content": "sunny"}], ep.sample("Sunny."))
+
+
+async def test_changed_tools_on_qwen25_are_a_counted_rewrite_under_tape(renderers: dict[str, Renderer]) -> None:
+    ep = Episode.of(renderers["qwen2.5"], "qwen2.5", tools=True)
+    await _first_round(ep)
+    ep.tools = [WEATHER, CLOCK]
+    await ep.turn([{"role": "user", "content": "And the time?"}], ep.sample("Noon."))
+    ep.check()
+    summary = ep.gateway.sessions.get(ep.session).tree.summary()
+    assert summary["rewrites"] == 1
+    (branch,) = export_session(ep.gateway.sessions.get(ep.session).tree)["branches"]
+    (rewrite,) = branch["rewrites"]
+    assert rewrite["kind"] == "template" and "tools" in rewrite["detail"]
+    # tape: the engine still sees the recorded history, whose system prompt lists only the first tool
+    prompt, _ = ep.calls[-1]
+    assert "get_time" not in ep.renderer.tokenizer.decode_all(prompt[: len(ep.calls[0][0])])
+
+
+async def test_changed_tools_on_qwen25_are_rejected_under_strict(renderers: dict[str, Renderer]) -> None:
+    ep = Episode.of(renderers["qwen2.5"], "qwen2.5", tools=True, policy="strict")
+    await _first_round(ep)
+    ep.tools = [WEATHER, CLOCK]
+    with pytest.raises(Conflict, match="tools"):
+        await ep.turn([{"role": "user", "content": "And the time?"}], ep.sample("Noon."))
+    assert len(ep.gateway.sessions.get(ep.session).tree.nodes) == 2  # nothing recorded
+
+
+async def test_changed_tools_on_qwen25_fork_to_the_templates_rendering(renderers: dict[str, Renderer]) -> None:
+    ep = Episode.of(renderers["qwen2.5"], "qwen2.5", tools=True, policy="fork")
+    await _first_round(ep)
+    ep.tools = [WEATHER, CLOCK]
+    await ep.turn([{"role": "user", "content": "And the time?"}], ep.sample("Noon."))
+    prompt, _ = ep.calls[-1]
+    whole = ep.renderer.render_text(ep.messages[:-1], True, ep.current)
+    assert prompt == ep.renderer.tokenizer.encode(whole)  # the new tools, history as the template renders it
+    tree = ep.gateway.sessions.get(ep.session).tree
+    assert tree.nodes[-1].parent is None or tree.nodes[-1].keep < tree.nodes[1].end  # a new branch
+    assert len(tree.branches()) == 2
+
+
+async def test_changed_tools_are_seen_after_the_session_is_reloaded(
+    renderers: dict[str, Renderer], tmp_path: Path
+) -> None:
+    renderer = renderers["qwen2.5"]
+    path = tmp_path / "tape.sqlite3"
+    ep = Episode.of(renderer, "qwen2.5", tools=True, policy="strict")
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(store=SqliteStore(path)))
+    ep.gateway.sessions.open(ep.session, "strict")
+    await _first_round(ep)
+    ep.gateway.sessions.store.close()
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(store=SqliteStore(path)))  # a restart
+    same = Episode(ep.family, renderer, ep.gateway, ep.engine, tools=[WEATHER])
+    same.messages, same.replies, same.reply_at, same.options = ep.messages, ep.replies, ep.reply_at, ep.options
+    same.calls, same.stops = ep.calls, ep.stops
+    await same.turn([{"role": "user", "content": "Thanks."}], same.sample("Welcome."))  # same tools: extends
+    same.tools = [WEATHER, CLOCK]
+    with pytest.raises(Conflict, match="tools"):
+        await same.turn([{"role": "user", "content": "Time?"}], same.sample("Noon."))
+    ep.gateway.sessions.store.close()
+
+
+async def test_enable_thinking_reaches_only_the_new_segment_on_qwen3(renderers: dict[str, Renderer]) -> None:
+    """Qwen3 drops the last reply's (empty) reasoning block once a user message follows, a rewrite
+    with or without the kwargs; `enable_thinking` adds nothing to that."""
+    rewrites = []
+    for kwargs in (None, {"enable_thinking": False}):
+        ep = Episode.of(renderers["qwen3"], "qwen3")
+        await ep.turn([{"role": "user", "content": "Hi"}], ep.sample("Hello."))
+        ep.template_kwargs = kwargs
+        await ep.turn([{"role": "user", "content": "Quick answer: 2+2?"}], ep.sample("4"))
+        ep.check()
+        (branch,) = export_session(ep.gateway.sessions.get(ep.session).tree)["branches"]
+        rewrites.append([(r["at_message"], r["detail"]) for r in branch["rewrites"]])
+    assert rewrites[0] == rewrites[1]
+    assert "kwargs" not in str(rewrites[1])
+    prompt, _ = ep.calls[-1]
+    assert ep.renderer.tokenizer.decode_all(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+async def test_deepseek_r1_second_tool_round_bridge_is_the_full_rendering(renderers: dict[str, Renderer]) -> None:
+    renderer = renderers["deepseek-r1"]
+    assert not renderer.anchor_safe and "tool▁outputs▁begin" in renderer.anchor_difference
+    ep = Episode.of(renderer, "deepseek-r1", tools=True)
+    await _first_round(ep)
+    await ep.turn([{"role": "user", "content": "And in Oslo?"}], ep.calling([("get_weather", {"city": "Oslo"})]))
+    call_id = ep.replies[-1]["tool_calls"][0]["id"]
+    await ep.turn([{"role": "tool", "tool_call_id": call_id, "content": '{"temp_c": 18}'}], ep.sample("18."))
+    ep.check()
+    bridge, _ = ep.bridges()[-1]
+    text = renderer.tokenizer.decode_all(bridge)
+    assert text == '<｜tool▁output▁begin｜>{"temp_c": 18}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>'
+
+
+async def test_an_anchor_safe_template_renders_bridges_from_the_anchor(renderers: dict[str, Renderer]) -> None:
+    """Qwen3 carries no state across messages: the probe says so, and long histories do not change
+    its bridges."""
+    renderer = renderers["qwen3"]
+    assert renderer.anchor_safe
+    history: list[dict[str, Any]] = []
+    for i in range(40):
+        history += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    new = [{"role": "user", "content": "Bye"}]
+    a = renderer.bridge([*short, *new], 1, short[1], None, RenderOptions())
+    b = renderer.bridge([*history, *short, *new], len(history) + 1, short[1], None, RenderOptions())
+    assert a.tokens == b.tokens

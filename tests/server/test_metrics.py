@@ -1,0 +1,118 @@
+"""`GET /metrics` after a scripted run on the real engine: every count equals what the exports and
+session summaries say (turns by finish reason, prompt and sampled tokens, rewrites by kind, sessions
+finished and live), one engine and store timing per turn, and the 429s the client saw."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MODEL_NAME
+from tokentape.gateway.service import Gateway
+
+
+async def _chat(http: httpx.AsyncClient, session: str, messages: list[dict[str, Any]], **extra: Any) -> httpx.Response:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 10, "temperature": 0.7, "seed": 1, **extra}
+    return await http.post(f"/sessions/{session}/v1/chat/completions", json=body)
+
+
+async def _scripted_run(http: httpx.AsyncClient, gateway: Gateway) -> int:
+    """Several kinds of turn, a rewrite, a finished session, and a burst past the admission limit.
+    Returns how many requests were answered 429."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
+    first = (await _chat(http, "plain", messages)).json()
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "More?"},
+    ]
+    async with http.stream(
+        "POST",
+        "/sessions/plain/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": messages, "max_tokens": 3, "stream": True},
+    ) as streamed:
+        async for _ in streamed.aiter_lines():
+            pass
+    assert (await http.post("/sessions/plain/finish")).status_code == 200
+
+    assert (await _chat(http, "two", [{"role": "user", "content": "Name a fruit."}], n=2)).status_code == 200
+    edited = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "Something the model never said."},
+        {"role": "user", "content": "Why?"},
+    ]
+    assert (await _chat(http, "two", edited)).status_code == 200  # an edited reply: a rewrite
+    raw = {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 8, "stop": [","], "temperature": 0}
+    assert (await http.post("/sessions/raw/v1/completions", json=raw)).status_code == 200
+
+    gateway.admission.limit = 1  # one request at a time: a burst of four gets 429s
+    try:
+        burst = await asyncio.gather(
+            *(_chat(http, f"burst-{i}", [{"role": "user", "content": "Go"}]) for i in range(4))
+        )
+    finally:
+        gateway.admission.limit = 64
+    statuses = [r.status_code for r in burst]
+    assert set(statuses) == {200, 429}
+    return statuses.count(429)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus samples by name and labels, read with prometheus-client's own parser."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_metrics_count_what_the_exports_hold(http: httpx.AsyncClient, gateway: Gateway) -> None:
+    rejected = await _scripted_run(http, gateway)
+    response = await http.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = _samples(response.text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    # what the session routes say, computed independently of the counters
+    ids = [s["session_id"] for s in (await http.get("/sessions")).json()["data"]]
+    finishes: Counter[str] = Counter()
+    rewrites: Counter[str] = Counter()
+    prompt_tokens = sampled_tokens = finished = 0
+    for session in ids:
+        export = (await http.get(f"/sessions/{session}/export")).json()
+        turns: dict[int, tuple[str, int]] = {}  # turn id -> (finish reason, prompt length)
+        for branch in export["branches"]:
+            assert len(branch["turn_ids"]) == len(branch["action_ranges"]) == len(branch["finish_reasons"])
+            for turn, (start, _), reason in zip(
+                branch["turn_ids"], branch["action_ranges"], branch["finish_reasons"], strict=True
+            ):
+                turns[turn] = (reason, start)
+        finishes.update(reason for reason, _ in turns.values())
+        prompt_tokens += sum(start for _, start in turns.values())
+        sampled_tokens += export["summary"]["sampled_tokens"]
+        finished += export["summary"]["finished"]
+        summary = (await http.get(f"/sessions/{session}")).json()
+        rewrites.update(event["kind"] for event in summary["rewrite_events"])
+    total_turns = sum(finishes.values())
+    # the run exercised what it was meant to
+    assert {"stop", "length"} <= set(finishes) and rewrites["assistant_edited"] == 1 and finished == 1
+
+    for reason, count in finishes.items():
+        assert value("tokentape_turns_total", finish_reason=reason) == count
+    assert value("tokentape_prompt_tokens_total") == prompt_tokens
+    assert value("tokentape_sampled_tokens_total") == sampled_tokens
+    for kind, count in rewrites.items():
+        assert value("tokentape_rewrites_total", kind=kind) == count
+    assert value("tokentape_sessions_finished_total") == finished
+    assert value("tokentape_sessions_live") == len(ids) - finished
+    assert value("tokentape_overloaded_rejections_total") == rejected
+    assert value("tokentape_requests_active") == 0
+    assert value("tokentape_engine_seconds_count") == total_turns
+    assert value("tokentape_time_to_first_token_seconds_count") == total_turns
+    assert value("tokentape_store_write_seconds_count") == total_turns
+    assert 0 < value("tokentape_time_to_first_token_seconds_sum") <= value("tokentape_engine_seconds_sum")
