@@ -4,6 +4,8 @@ constrained turn is flagged in the export, and an engine that cannot constrain a
 from __future__ import annotations
 
 import json
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,11 +13,13 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 WEATHER: Any = {
     "type": "function",
@@ -189,3 +193,36 @@ async def test_tokens_as_token_ids_on_chat_and_completions(sdk: openai.AsyncOpen
     ids = (completion.choices[0].model_extra or {})["token_ids"]
     assert logprobs is not None and logprobs.tokens == [f"token_id:{t}" for t in ids]
     assert all(key.startswith("token_id:") for top in logprobs.top_logprobs or [] for key in top)
+
+
+async def test_constrained_and_trace_ids_survive_a_restart(
+    engine: LlamaCppEngine, renderer: Renderer, tmp_path: Path
+) -> None:
+    """Both are columns of the store: a new gateway over the same file exports them again, and a store
+    written before the constrained column existed opens with every turn unconstrained."""
+    path = tmp_path / "store.sqlite3"
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60}
+    exports = []
+    for attempt in range(2):
+        registry = SessionRegistry(store=SqliteStore(path))
+        app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            if attempt == 0:
+                response = await http.post(
+                    "/sessions/kept/v1/chat/completions", json=body, headers={"X-Session-ID": "trace-9"}
+                )
+                assert response.status_code == 200, response.text
+                free = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 4, "session_id": "free"}
+                assert (await http.post("/v1/chat/completions", json=free)).status_code == 200
+            exports.append(await _export(http, "kept"))
+        registry.store.close()
+    assert exports[0]["constrained"] == exports[1]["constrained"] == [True]
+    assert exports[0]["trace_ids"] == exports[1]["trace_ids"] == ["trace-9"]
+    with sqlite3.connect(path) as db:  # as a store of an earlier version left it
+        db.execute("ALTER TABLE turns DROP COLUMN constrained")
+    reopened = SqliteStore(path)
+    kept, free_tree = reopened.load("kept"), reopened.load("free")
+    assert kept is not None and free_tree is not None
+    assert [n.constrained for n in (*kept.nodes, *free_tree.nodes)] == [False, False]
+    assert [n.trace_id for n in kept.nodes] == ["trace-9"]
+    reopened.close()
