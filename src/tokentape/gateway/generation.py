@@ -105,12 +105,14 @@ class ChoiceRun:
             try:
                 self._on_engine_call()
                 self.started_at = time.monotonic()
+                # the constraint is passed only when there is one: engines written before it need not take it
+                extra = {"constraint": self.constraint} if self.constraint is not None else {}
                 generation = self.engine.generate(
                     self.prompt,
                     self.sampling,
                     seed=self.sampling.choice_seed(self.index),
                     session_id=self.session_id,
-                    constraint=self.constraint,
+                    **extra,
                 )
                 async with contextlib.aclosing(generation):
                     async for sample in generation:
