@@ -7,7 +7,7 @@ TokentapeError                 base; carries an OpenAI error type and code
 ├── Conflict                   409 request conflicts with recorded state (strict rewrite policy)
 ├── Overloaded                 429 queue full; retry later
 ├── EngineFailure              500 the engine failed while generating
-└── StoreFailure               500 a turn could not be written (it is not acknowledged)
+└── StoreFailure               500 the trajectory store failed to write a turn or to read a session
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ class EngineFailure(TokentapeError):
 
 
 class StoreFailure(TokentapeError):
-    """A recorded turn could not be written to the store; it is neither acknowledged nor replayed."""
+    """The trajectory store could not write a turn (it is not acknowledged) or read a stored session
+    (code `session_corrupt`: that session alone is unreadable; the others are served)."""
 
     status = 500
     error_type = "server_error"

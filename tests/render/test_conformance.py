@@ -138,7 +138,9 @@ class Episode:
             self.expected_rewrites.append(reply_index)
 
     def check(self) -> None:
-        tree = self.gateway.sessions.get(self.session).tree
+        session = self.gateway.sessions.in_memory(self.session)
+        assert session is not None
+        tree = session.tree
         export = export_session(tree)
         (branch,) = export["branches"]
         tape = branch["tokens"]
@@ -178,7 +180,9 @@ class Episode:
 
     def naive_equals_tape(self) -> bool:
         """The naive method: render the whole conversation so far and tokenize it again."""
-        tree = self.gateway.sessions.get(self.session).tree
+        session = self.gateway.sessions.in_memory(self.session)
+        assert session is not None
+        tree = session.tree
         (branch,) = export_session(tree)["branches"]
         last_prompt, _ = self.calls[-1]
         naive_prompt = self.renderer.tokenizer.encode(self.full_text(self.messages[:-1], True))
