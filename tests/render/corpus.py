@@ -164,8 +164,7 @@ class Episode:
     @classmethod
     def of(cls, renderer: Renderer, family: str, *, tools: bool = False, policy: str = "tape") -> Episode:
         engine = ScriptedEngine([], 0)
-        gateway = Gateway(engine, renderer, SessionRegistry())
-        gateway.sessions.open("episode", policy)  # type: ignore[arg-type]
+        gateway = Gateway(engine, renderer, SessionRegistry(policy))  # type: ignore[arg-type]
         return cls(family, renderer, gateway, engine, tools=[WEATHER] if tools else None)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -286,7 +285,9 @@ class Episode:
                     content = message.get("content")
                     if isinstance(content, str) and message["role"] == "user":
                         assert content.strip() in after, f"turn {k}: a new message is missing from the bridge"
-        tree = self.gateway.sessions.get(self.session).tree
+        session = self.gateway.sessions.in_memory(self.session)
+        assert session is not None
+        tree = session.tree
         (branch,) = [b for b in export_session(tree)["branches"] if b["turn_ids"] == list(range(len(self.calls)))]
         last_prompt, last_ids = self.calls[-1]
         assert branch["tokens"] == last_prompt + last_ids, "the export is not the tape the engine saw"

@@ -208,7 +208,7 @@ class GatewayActor:
             await parts.aclose()  # type: ignore[attr-defined]
 
     async def holds(self, session_id: str) -> bool:
-        return bool(self.gateway.sessions.exists(session_id))
+        return await self.gateway.sessions.exists(session_id)
 
     async def describe(self) -> dict[str, Any]:
         return {
