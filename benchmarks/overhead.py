@@ -148,6 +148,7 @@ class Run:
     elapsed: float
     cpu: float  # gateway CPU seconds over the run
     rss: float
+    failures: int = 0
 
     @property
     def rate(self) -> float:
@@ -163,7 +164,7 @@ class Run:
 
     @property
     def cpu_per_request(self) -> float:
-        return self.cpu / len(self.latencies) * 1e3
+        return self.cpu / (len(self.latencies) + self.failures) * 1e3
 
 
 def _client(http: httpx2.AsyncClient, base_url: str) -> openai.AsyncOpenAI:
@@ -173,6 +174,7 @@ def _client(http: httpx2.AsyncClient, base_url: str) -> openai.AsyncOpenAI:
 async def load(target: Target, sessions: int, requests: int, tag: str, *, stream: bool = False) -> Run:
     """`sessions` concurrent agents, `requests` calls in all; each agent resends its growing history."""
     latencies: list[float] = []
+    failures: list[str] = []
     limits = httpx2.Limits(max_connections=sessions + 8, max_keepalive_connections=sessions + 8)
     async with httpx2.AsyncClient(limits=limits, timeout=120) as http:  # the openai SDK's HTTP client
         clients: dict[str, openai.AsyncOpenAI] = {}
@@ -193,28 +195,36 @@ async def load(target: Target, sessions: int, requests: int, tag: str, *, stream
                 client = client_for(f"{tag}-{i}-{episode}")
                 messages.append({"role": "user", "content": f"Step {call} of agent {i}: what should we do next?"})
                 start = time.perf_counter()
-                if stream:
-                    chunks = await client.chat.completions.create(
-                        model="scripted",
-                        messages=messages,
-                        max_tokens=MAX_TOKENS,
-                        stream=True,  # type: ignore[arg-type]
-                    )
-                    content = ""
-                    async for chunk in chunks:
-                        if chunk.choices and chunk.choices[0].delta.content:
-                            if not content:
-                                latencies.append(time.perf_counter() - start)  # time to first token
-                            content += chunk.choices[0].delta.content
-                else:
-                    reply = await client.chat.completions.create(
-                        model="scripted",
-                        messages=messages,
-                        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
-                    )
-                    latencies.append(time.perf_counter() - start)
-                    content = reply.choices[0].message.content or ""
+                try:
+                    content = await ask(client, messages, start)
+                except openai.APIError as exc:
+                    failures.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+                    messages.pop()
+                    continue
                 messages.append({"role": "assistant", "content": content})
+
+        async def ask(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], start: float) -> str:
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="scripted",
+                    messages=messages,
+                    max_tokens=MAX_TOKENS,
+                    stream=True,
+                )
+                content = ""
+                async for chunk in chunks:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if not content:
+                            latencies.append(time.perf_counter() - start)  # time to first token
+                        content += chunk.choices[0].delta.content
+                return content
+            reply = await client.chat.completions.create(
+                model="scripted",
+                messages=messages,
+                max_tokens=MAX_TOKENS,
+            )
+            latencies.append(time.perf_counter() - start)
+            return reply.choices[0].message.content or ""
 
         per_agent = [requests // sessions + (1 if i < requests % sessions else 0) for i in range(sessions)]
         pid = target.process.pid if target.process else None
@@ -223,7 +233,9 @@ async def load(target: Target, sessions: int, requests: int, tag: str, *, stream
         await asyncio.gather(*(agent(i, n) for i, n in enumerate(per_agent)))
         elapsed = time.perf_counter() - start
         cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
-    return Run(latencies, elapsed, cpu, rss_mb(pid) if pid else 0.0)
+    if failures:
+        print(f"  {target.name}: {len(failures)} failed calls at {sessions} sessions, e.g. {failures[0]}")
+    return Run(latencies, elapsed, cpu, rss_mb(pid) if pid else 0.0, len(failures))
 
 
 # -- report ------------------------------------------------------------------------------------------

@@ -86,17 +86,19 @@ async def chat(body: dict[str, Any], send: Send) -> None:
     base = {"id": "chatcmpl-scripted", "created": int(time.time()), "model": body.get("model", "scripted")}
     prompt_ids = _prompt_ids(body)
     if not body.get("stream"):
-        choice = {
+        choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "tool_calls": []},
-            "logprobs": _chat_logprobs(tokens),
+            "logprobs": _chat_logprobs(tokens) if body.get("logprobs") else None,
             "finish_reason": finish,
             "stop_reason": None,
-            "token_ids": [t for t, _, _ in tokens],
         }
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens), "total_tokens": 0}
         payload = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
-        await _json(send, {**payload, "prompt_token_ids": prompt_ids})
+        if body.get("return_token_ids"):  # vLLM adds token IDs only when asked
+            choice["token_ids"] = [t for t, _, _ in tokens]
+            payload["prompt_token_ids"] = prompt_ids
+        await _json(send, payload)
         return
     events = []
     for i, (token, word, logprob) in enumerate(tokens):
@@ -105,13 +107,14 @@ async def chat(body: dict[str, Any], send: Send) -> None:
         choice = {
             "index": 0,
             "delta": delta,
-            "logprobs": _chat_logprobs([(token, word, logprob)]),
+            "logprobs": _chat_logprobs([(token, word, logprob)]) if body.get("logprobs") else None,
             "finish_reason": finish if last else None,
-            "token_ids": [token],
         }
         event: dict[str, Any] = {**base, "object": "chat.completion.chunk", "choices": [choice]}
-        if i == 0:
-            event["prompt_token_ids"] = prompt_ids
+        if body.get("return_token_ids"):
+            choice["token_ids"] = [token]
+            if i == 0:
+                event["prompt_token_ids"] = prompt_ids
         events.append(orjson.dumps(event))
     await _sse(send, events)
 
@@ -173,4 +176,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    # idle keep-alive connections stay open for the whole run, so no gateway's pool races a server-side close
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, timeout_keep_alive=600)
