@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from tokentape.core.digests import ChainCache
 from tokentape.core.messages import Message, chain_step
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
@@ -84,6 +85,7 @@ class SessionTree:
         self.rewrites: list[Rewrite] = []
         self._by_chain: dict[bytes, TurnNode] = {}
         self._by_prompt_chain: dict[bytes, TurnNode] = {}
+        self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -101,7 +103,7 @@ class SessionTree:
 
     @property
     def token_count(self) -> int:
-        return sum(len(n.context) + len(n.sampled) for n in self.nodes)
+        return sum(n.end - n.keep for n in self.nodes)
 
     def summary(self) -> dict[str, object]:
         return {
@@ -110,7 +112,7 @@ class SessionTree:
             "turns": len(self.nodes),
             "branches": len(self.leaves),
             "tokens": self.token_count,
-            "sampled_tokens": sum(len(n.sampled) for n in self.nodes),
+            "sampled_tokens": sum(n.end - n.sampled_start for n in self.nodes),
             "rewrites": len(self.rewrites),
             **self.outcome.as_dict(),
         }
@@ -161,8 +163,8 @@ class SessionTree:
             keep=turn.keep,
             context=turn.context,
             context_origin=turn.context_origin,
-            sampled=tuple(sampled),
-            logprobs=tuple(logprobs),
+            sampled=sampled,
+            logprobs=logprobs,
             finish_reason=finish_reason,
             depth=0 if turn.parent is None else turn.parent.depth + 1,
             prompt_chain=prompt_chain,

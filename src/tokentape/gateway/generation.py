@@ -8,7 +8,7 @@ every sampled token, including those of a generation cut short, so nothing sampl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat, parse_reply
@@ -42,7 +42,7 @@ class ChoiceRun:
         engine: Engine,
         tokenizer: Tokenizer,
         index: int,
-        prompt: list[int],
+        prompt: Sequence[int],
         sampling: SamplingParams,
         *,
         mode: ReplyMode | None,

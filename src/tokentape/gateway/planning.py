@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokentape.core.messages import EMPTY_CHAIN, chain_step, hash_chain
+from tokentape.core.messages import EMPTY_CHAIN, chain_step
 from tokentape.core.session import Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
 from tokentape.errors import InvalidRequest
@@ -23,7 +23,7 @@ __all__ = ["Plan", "Planner", "deepest_prefix_node"]
 @dataclass(frozen=True, slots=True)
 class Plan:
     turn: NewTurn
-    prompt: list[int]
+    prompt: Sequence[int]  # an int32 array sliced from the tape, or a list
     prompt_chain: bytes  # chain hash of the request's messages
     prompt_length: int  # how many messages the request had
     reply_mode: ReplyMode | None = None  # None: raw completion text
@@ -37,7 +37,7 @@ class Planner:
     async def chat(self, tree: SessionTree, call: ChatCall) -> Plan:
         if not call.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        chains = list(hash_chain(call.messages))
+        chains = tree.digests.chains(call.messages)
         decision = plan_request(tree, call.messages, chains)
         if isinstance(decision, Fresh):
             return await self._fresh(tree, call, decision, chains[-1])
@@ -58,7 +58,9 @@ class Planner:
                 return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1])
         turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
         mode = self._reply_mode(call, bridge.opens_reasoning)
-        return Plan(turn, path_tokens(node) + bridge.tokens, chains[-1], len(chains), mode)
+        prompt = node.path_array()
+        prompt.extend(bridge.tokens)
+        return Plan(turn, prompt, chains[-1], len(chains), mode)
 
     async def _fresh(self, tree: SessionTree, call: ChatCall, decision: Fresh, chain: bytes) -> Plan:
         prompt = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
@@ -78,9 +80,8 @@ class Planner:
 
     def _stop_token(self, node: TurnNode) -> int | None:
         """The end-of-turn token a turn ended on, if it ended on one."""
-        if node.sampled and node.sampled[-1] in self._end_of_turn:
-            return node.sampled[-1]
-        return None
+        last = node.last_sampled
+        return last if last in self._end_of_turn else None
 
     async def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """A completion's prompt as token IDs (text is tokenized; IDs are checked against the vocabulary)."""
