@@ -61,6 +61,7 @@ bench: setup  ## per-turn cost against history length; gateway overhead against 
 	$(PY) benchmarks/turn_cost.py
 	$(PY) benchmarks/overhead.py
 	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
+	$(PY) benchmarks/memory.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,13 @@ async def test_evicted_sessions_reload_and_export(engine: LlamaCppEngine, render
         exported = (await http.get("/export")).json()["data"]
         assert sorted(r["session_id"] for r in exported) == [f"s{i}" for i in range(6)]
         assert (await http.get("/sessions/s0/export")).json()["summary"]["turns"] == 1
+
+
+def test_idle_sessions_leave_memory_and_come_back_from_the_store() -> None:
+    registry = SessionRegistry(store=SqliteStore(":memory:"), limits=MemoryLimits(idle_seconds=0.05))
+    registry.open("idle")
+    registry.store._run(registry.store._save_session, registry.get("idle").tree)
+    time.sleep(0.1)
+    registry.open("busy")
+    assert registry.evicted == 1 and len(registry) == 1
+    assert registry.exists("idle")  # reloaded from the store

@@ -18,21 +18,35 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import methodcaller
 
 import orjson
 
 from tokentape.core.messages import EMPTY_CHAIN, Message, hash_chain
 
-__all__ = ["ChainCache", "fingerprint"]
+__all__ = ["ChainCache", "fingerprint", "fingerprints"]
 
+_TEXT_TYPES = frozenset({str, type(None)})  # values whose hash alone tells them apart (1 == True does not)
+_values = methodcaller("values")
+_items = methodcaller("items")
 REQUESTS_REMEMBERED = 4  # concurrent branches of one session (n>1 agents, retries) each keep theirs
-_DIGEST = len(EMPTY_CHAIN)
+
+
+def fingerprints(messages: Sequence[Message]) -> array[int]:
+    """`fingerprint` of each message; when every field is text (the usual request), in one pass in C."""
+    if _TEXT_TYPES.issuperset(map(type, chain.from_iterable(map(_values, messages)))):
+        return array("q", map(hash, map(tuple, map(_items, messages))))
+    return array("q", map(fingerprint, messages))
 
 
 def fingerprint(message: Message) -> int:
-    """A keyed 64-bit hash of a message's raw fields, computed in C for the common all-text message."""
-    if all(type(v) is str or v is None for v in message.values()):
-        return hash(tuple(message.items()))
+    """A keyed 64-bit hash of a message's raw fields and their types (so `1` and `true` differ),
+    computed in C; messages with lists or objects in them are hashed through their JSON."""
+    try:
+        return hash((tuple(message.items()), tuple(map(type, message.values()))))
+    except TypeError:
+        pass
     try:
         return hash(orjson.dumps(dict(message)))
     except TypeError:  # integers past 64 bits in tool arguments: the repr still tells messages apart
@@ -43,10 +57,7 @@ def fingerprint(message: Message) -> int:
 class _Request:
     start: bytes
     prints: array[int]  # one fingerprint per message
-    chains: bytearray  # the chain hash after each message, 16 bytes each
-
-    def chain(self, index: int) -> bytes:
-        return bytes(self.chains[index * _DIGEST : (index + 1) * _DIGEST])
+    chains: list[bytes]  # the chain hash after each message
 
 
 class ChainCache:
@@ -59,11 +70,11 @@ class ChainCache:
 
     def chains(self, messages: Sequence[Message], start: bytes = EMPTY_CHAIN) -> list[bytes]:
         """The chain hash of every prefix of `messages` (of length 1, 2, ...), seeded with `start`."""
-        prints = array("q", [fingerprint(m) for m in messages])
+        prints = fingerprints(messages)
         known, shared = self._longest_shared(prints, start)
-        chains = [known.chain(i) for i in range(shared)] if known is not None else []
+        chains = known.chains[:shared] if known is not None else []
         chains.extend(hash_chain(messages[shared:], chains[-1] if chains else start))
-        request = _Request(start, prints, bytearray(b"".join(chains)))
+        request = _Request(start, prints, chains.copy())
         if known is not None and shared == len(known.prints):
             self._requests.remove(known)  # the new request extends it: keep the longer one only
         self._requests.append(request)

@@ -126,18 +126,21 @@ class SessionTree:
         `chains` are the chain hashes of the request's message prefixes (`messages.hash_chain`).
         Returns (extended node, messages it covers, edited node, index of the edited reply).
         """
+        # Scanned from the newest message back: the deepest match is usually the reply before the
+        # last user message, so this costs the messages the request adds, not the history.
         extended: TurnNode | None = None
         covered = 0
+        for i in range(len(chains), 0, -1):
+            if (node := self._by_chain.get(chains[i - 1])) is not None:
+                extended, covered = node, i
+                break
         edited: TurnNode | None = None
         edited_at = -1
-        for i, chain in enumerate(chains, start=1):
-            if (node := self._by_chain.get(chain)) is not None:
-                extended, covered = node, i
-            candidate = self._by_prompt_chain.get(chain)
+        for i in range(len(chains), covered - 1, -1):  # an edit before `covered` is a sibling's reply
+            candidate = self._by_prompt_chain.get(chains[i - 1]) if i > 0 else None
             if candidate is not None and i < len(messages) and messages[i].get("role") == "assistant":
                 edited, edited_at = candidate, i
-        if edited is not None and edited_at < covered:
-            edited = None  # a later turn was matched exactly; the difference is a sibling's reply
+                break
         return extended, covered, edited, edited_at
 
     # -- recording ---------------------------------------------------------------------------------

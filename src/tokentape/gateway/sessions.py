@@ -93,6 +93,7 @@ class Session:
     def finish(self) -> None:
         if not self.tree.outcome.finished:
             self.tree.outcome.finished_at = time.time()
+        self.tree.digests.clear()  # a finished session takes no more requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class SessionRegistry:
         self._sessions: dict[str, Session] = {}
         self.evicted = 0
         self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
+        self._idle_scanned = float("-inf")
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
 
@@ -232,10 +234,15 @@ class SessionRegistry:
     def _evict(self) -> None:
         """Drop idle sessions from memory, oldest first, down to the limit. They stay in the store."""
         now = time.monotonic()
-        idle = [s for s in self._sessions.values() if not s.in_flight and now - s.last_used > self.limits.idle_seconds]
-        for session in idle:
-            del self._sessions[session.id]
-            self.evicted += 1
+        # The idle scan reads every session: do it a few times per idle period, not on every request.
+        if now - self._idle_scanned >= min(1.0, self.limits.idle_seconds / 10):
+            self._idle_scanned = now
+            idle = [
+                s for s in self._sessions.values() if not s.in_flight and now - s.last_used > self.limits.idle_seconds
+            ]
+            for session in idle:
+                del self._sessions[session.id]
+                self.evicted += 1
         if len(self._sessions) <= self.limits.max_sessions:
             return
         for session in sorted(self._sessions.values(), key=lambda s: s.last_used):
