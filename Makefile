@@ -62,6 +62,7 @@ bench: setup  ## per-turn cost against history length; gateway overhead against 
 	$(PY) benchmarks/overhead.py
 	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/embedded.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
