@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from tokentape.core.messages import EMPTY_CHAIN, chain_step
+from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
 from tokentape.core.session import Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
 from tokentape.errors import InvalidRequest
@@ -18,6 +19,8 @@ from tokentape.gateway.generation import ReplyMode
 from tokentape.render.renderer import Renderer
 
 __all__ = ["Plan", "Planner", "deepest_prefix_node"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +45,14 @@ class Planner:
         if isinstance(decision, Fresh):
             return await self._fresh(tree, call, decision, chains[-1])
         node = decision.node
-        bridge = await asyncio.to_thread(
-            self.renderer.bridge, call.messages, decision.new_from - 1, node.reply, self._stop_token(node), call.options
+        bridge = await _render(
+            _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]]),  # the anchor
+            self.renderer.bridge,
+            call.messages,
+            decision.new_from - 1,
+            node.reply,
+            self._stop_token(node),
+            call.options,
         )
         rewrite = decision.rewrite
         if bridge.template_rewrite:
@@ -63,7 +72,7 @@ class Planner:
         return Plan(turn, prompt, chains[-1], len(chains), mode)
 
     async def _fresh(self, tree: SessionTree, call: ChatCall, decision: Fresh, chain: bytes) -> Plan:
-        prompt = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
+        prompt = await _render(_text_size(call.messages), self.renderer.prompt, call.messages, call.options)
         tokens, count = prompt.tokens, len(call.messages)
         mode = self._reply_mode(call, prompt.opens_reasoning)
         if decision.fork_from is None:
@@ -105,6 +114,28 @@ class Planner:
         # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
         chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
         return Plan(turn, prompt, chain, 1)
+
+
+INLINE_RENDER_CHARS = 16_384  # renders of less text than this take well under a millisecond
+
+
+async def _render(size: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """Render on the event loop when the text is small: a hop to a worker thread and back costs more
+    CPU than the render itself; large renders go to a thread so other requests are not held up."""
+    if size < INLINE_RENDER_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _text_size(messages: Sequence[Message]) -> int:
+    """About how much text rendering `messages` handles (content and tool calls, in characters)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        size += len(content) if isinstance(content, str) else len(str(content or ""))
+        if message.get("tool_calls"):
+            size += len(str(message["tool_calls"]))
+    return size
 
 
 def deepest_prefix_node(nodes: Sequence[TurnNode], prompt: Sequence[int]) -> TurnNode | None:
