@@ -7,8 +7,8 @@ fingerprinted and compared in order with a remembered request; the chain hashes 
 are reused and only the messages after it are canonicalised and hashed (`messages.chain_step`).
 
 A fingerprint is an accelerator, not identity: it is Python's keyed 64-bit hash (random per process)
-of a message's raw fields, so two messages only share one when they are equal field by field or
-collide by chance (about 2**-64). A message that differs in any way, even in a way the canonical form
+of a message's JSON, so two messages only share one when they serialise alike or collide by chance
+(about 2**-64). A message that differs in any way, even in a way the canonical form
 ignores, is simply hashed again. `start` is the chain's seed: the identity of everything besides the
 messages that the template reads; requests with another seed share nothing.
 """
@@ -18,8 +18,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
-from operator import methodcaller
 
 import orjson
 
@@ -27,30 +25,23 @@ from tokentape.core.messages import EMPTY_CHAIN, Message, hash_chain
 
 __all__ = ["ChainCache", "fingerprint", "fingerprints"]
 
-_TEXT_TYPES = frozenset({str, type(None)})  # values whose hash alone tells them apart (1 == True does not)
-_values = methodcaller("values")
-_items = methodcaller("items")
 REQUESTS_REMEMBERED = 4  # concurrent branches of one session (n>1 agents, retries) each keep theirs
 
 
 def fingerprints(messages: Sequence[Message]) -> array[int]:
-    """`fingerprint` of each message; when every field is text (the usual request), in one pass in C."""
-    if _TEXT_TYPES.issuperset(map(type, chain.from_iterable(map(_values, messages)))):
-        return array("q", map(hash, map(tuple, map(_items, messages))))
-    return array("q", map(fingerprint, messages))
+    """`fingerprint` of each message, in one pass in C for the usual request."""
+    try:
+        return array("q", map(hash, map(orjson.dumps, messages)))
+    except TypeError:
+        return array("q", map(fingerprint, messages))
 
 
 def fingerprint(message: Message) -> int:
-    """A keyed 64-bit hash of a message's raw fields and their types (so `1` and `true` differ),
-    computed in C; messages with lists or objects in them are hashed through their JSON."""
+    """A keyed 64-bit hash of a message's JSON (so `1` and `true` differ, and field order counts)."""
     try:
-        return hash((tuple(message.items()), tuple(map(type, message.values()))))
-    except TypeError:
-        pass
-    try:
-        return hash(orjson.dumps(dict(message)))
-    except TypeError:  # integers past 64 bits in tool arguments: the repr still tells messages apart
-        return hash(repr(sorted(message.items(), key=lambda item: str(item[0]))))
+        return hash(orjson.dumps(message))
+    except TypeError:  # integers past 64 bits, or a mapping orjson does not take: the repr tells them apart
+        return hash(repr(sorted(dict(message).items(), key=lambda item: str(item[0]))))
 
 
 @dataclass(slots=True)
