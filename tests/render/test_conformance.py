@@ -119,7 +119,7 @@ class Episode:
         started = events[0]
         done = events[-1]
         assert isinstance(started, Started) and isinstance(done, ChoiceDone)
-        prompt = started.prompt_token_ids
+        prompt = list(started.prompt_token_ids)  # the tape hands out int32 arrays
         ids = [t.token_id for t in done.tokens]
         if not self.calls:
             assert prompt == self.renderer.tokenizer.encode(self.full_text(self.messages, True))
