@@ -62,10 +62,12 @@ ray-tests: setup  ## the Ray cluster tests, on loopback only
 
 test: lint typecheck unit  ## everything CI runs
 
-bench: setup  ## per-turn cost against history length; gateway overhead against calling the engine directly
+bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; memory per token; embedded tokens/s
 	$(PY) benchmarks/turn_cost.py
 	$(PY) benchmarks/overhead.py
 	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/embedded.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py

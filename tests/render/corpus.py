@@ -223,8 +223,8 @@ class Episode:
         ids = [t.token_id for t in done.tokens]
         if not self.calls:
             whole = self.renderer.tokenizer.encode(self.render(self.messages, True, self.current))
-            assert started.prompt_token_ids == whole, "the first prompt is not the template's rendering"
-        self.calls.append((started.prompt_token_ids, ids))
+            assert list(started.prompt_token_ids) == whole, "the first prompt is not the template's rendering"
+        self.calls.append((list(started.prompt_token_ids), ids))
         self.options.append(self.current)
         self.stops.append(ids[-1] if ids and ids[-1] in self.renderer.tokenizer.end_of_turn_ids else None)
         self.replies.append(done.reply.message())

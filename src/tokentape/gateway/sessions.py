@@ -97,6 +97,7 @@ class Session:
     def finish(self) -> None:
         if not self.tree.outcome.finished:
             self.tree.outcome.finished_at = time.time()
+        self.tree.digests.clear()  # a finished session takes no more requests
 
 
 @dataclass(frozen=True, slots=True)

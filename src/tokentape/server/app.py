@@ -22,7 +22,8 @@ from tokentape.gateway.service import Gateway
 from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
-from tokentape.server.errors import install_error_handlers, invalid_from_validation
+from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
+from tokentape.server.hot_routes import HotRoutes
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
 from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -86,22 +87,27 @@ def create_app(
     app = FastAPI(
         title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
     )
-    app.add_middleware(Guard, settings=guard or GuardSettings())
     install_error_handlers(app)
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
+    chat, completions = serving.route(OpenAIChat(tokenizer)), serving.route(OpenAICompletions(tokenizer))
+    # added first, so Guard (keys, limits) runs before it: the last middleware added is the outermost
+    app.add_middleware(
+        HotRoutes, routes={"/chat/completions": chat, "/completions": completions}, on_error=handle_error
+    )
+    app.add_middleware(Guard, settings=guard or GuardSettings())
 
     # -- OpenAI routes ----------------------------------------------------------------------------
     openai_routes = APIRouter()
     openai_routes.add_api_route(
         "/chat/completions",
-        serving.route(OpenAIChat(tokenizer)),
+        chat,
         methods=["POST"],
         openapi_extra=_body_schema(ChatCompletionRequest),
     )
     openai_routes.add_api_route(
         "/completions",
-        serving.route(OpenAICompletions(tokenizer)),
+        completions,
         methods=["POST"],
         openapi_extra=_body_schema(CompletionRequest),
     )

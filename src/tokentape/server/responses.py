@@ -18,13 +18,13 @@ __all__ = ["WireBuilder"]
 class WireBuilder:
     """Shapes one response; holds its id, creation time and model name."""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, kind: str, session_id: str, prompt: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, model: str, kind: str, session_id: str, prompt: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.session_id = session_id
-        self.prompt = prompt
+        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for orjson
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
