@@ -291,6 +291,7 @@ class SessionRegistry:
         if stored.tree is None:
             return {
                 "session_id": stored.session_id,
+                "created_at": stored.created_at,  # listings of several stores are ordered by it
                 "error": {"message": stored.error, "type": "server_error", "param": None, "code": "session_corrupt"},
             }
         session = self._sessions.get(stored.session_id)
