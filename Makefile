@@ -83,7 +83,7 @@ e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactn
 		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
 		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
 	fi; \
-	TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs
+	$(call on_loopback,TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs)
 
 clean:  ## remove the virtual environments and caches
 	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output
