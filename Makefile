@@ -62,10 +62,12 @@ ray-tests: setup  ## the Ray cluster tests, on loopback only
 
 test: lint typecheck unit  ## everything CI runs
 
-bench: setup  ## per-turn cost against history length; gateway overhead against calling the engine directly
+bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; memory per token; embedded tokens/s
 	$(PY) benchmarks/turn_cost.py
 	$(PY) benchmarks/overhead.py
 	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/embedded.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
@@ -81,7 +83,7 @@ e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactn
 		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
 		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
 	fi; \
-	TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs
+	$(call on_loopback,TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs)
 
 clean:  ## remove the virtual environments and caches
 	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.reliability import engine_faults, storm, suite  # noqa: E402
+from tests.support.fake_engines import FakeState, serving, vllm_app  # noqa: E402
 
 from tokentape.launcher import running_server  # noqa: E402
 
@@ -61,13 +62,18 @@ async def main(args: argparse.Namespace) -> None:
             f"{figures['responses_5xx']} responses 5xx, bad ids not answered 400: "
             f"{len(figures['bad_ids_not_rejected_400'])}, still serving {figures['healthy']}",
         )
-        figures = await suite.kill_loop(Path(scratch), cycles=args.kill_cycles, sessions=4)
+        # a stand-in vLLM engine (10 ms a token) keeps every session writing when the kill comes
+        with serving(vllm_app(FakeState(delay=0.01))) as engine_url:
+            figures = await suite.kill_loop(
+                Path(scratch), cycles=args.kill_cycles, sessions=args.kill_sessions, engine_url=engine_url
+            )
         report(
             "SIGKILL loop",
             figures,
-            f"{figures['cycles']} cycles, {figures['acknowledged_turns']} acknowledged turns, "
-            f"{figures['acknowledged_turns_lost']} lost, sessions extended after every restart: "
-            f"{figures['cycles_that_extended_sessions']}/{figures['cycles']}",
+            f"{figures['cycles']} cycles x {figures['sessions']} sessions, {figures['acknowledged_turns']} "
+            f"acknowledged turns, {figures['acknowledged_turns_lost']} lost, {figures['duplicate_turns']} duplicates, "
+            f"histories up to {figures['longest_history_tokens']} tokens, sessions extended after "
+            f"{figures['cycles_that_extended_sessions']}/{figures['cycles']} restarts",
         )
         figures = await suite.disconnect_storm(server, clients=args.disconnects)
         report(
@@ -137,7 +143,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fuzz-examples", type=int, default=150)
     parser.add_argument("--odd-requests", type=int, default=2000)
-    parser.add_argument("--kill-cycles", type=int, default=5)
+    parser.add_argument("--kill-cycles", type=int, default=50)
+    parser.add_argument("--kill-sessions", type=int, default=6)
     parser.add_argument("--disconnects", type=int, default=30)
     parser.add_argument("--retry-requests", type=int, default=16)
     parser.add_argument("--soak-sessions", type=int, default=5000)

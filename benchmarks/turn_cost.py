@@ -68,7 +68,7 @@ def build_history(gateway: Gateway, session_id: str, target_tokens: int) -> list
     """Record a conversation of about `target_tokens` tokens straight into a session's tree."""
     renderer = gateway.renderer
     end = renderer.tokenizer.encode(renderer.turn_close)[0]
-    session = gateway.sessions.open(session_id)
+    session, _ = asyncio.run(gateway.sessions.open(session_id))
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
     node = None
     turn = 0

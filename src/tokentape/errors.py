@@ -9,7 +9,7 @@ TokentapeError                 base; carries an OpenAI error type and code
 ├── EngineFailure              502 the engine failed: transport error or a 5xx answer
 │   └── EngineProtocolError    502 the engine answered something its protocol does not allow
 ├── EngineUnavailable          503 no engine is healthy right now; retry later
-└── StoreFailure               500 a turn could not be written (it is not acknowledged)
+└── StoreFailure               500 a turn could not be written (it is not acknowledged) or a session read
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class EngineUnavailable(TokentapeError):
 
 
 class StoreFailure(TokentapeError):
-    """A recorded turn could not be written to the store; it is neither acknowledged nor replayed."""
+    """The trajectory store could not write a turn (it is not acknowledged) or read a stored session
+    (code `session_corrupt`: that session alone is unreadable; the others are served)."""
 
     status = 500
     error_type = "server_error"

@@ -16,14 +16,23 @@ from tokentape.core.tape import BranchView, Origin, TurnNode, path_tokens
 # Token IDs across a real-sized vocabulary, biased toward the ends where byte and special tokens live.
 token_ids = st.one_of(st.integers(0, 300), st.integers(0, 151_000), st.integers(151_600, 151_700))
 token_lists = st.lists(token_ids, min_size=0, max_size=12)
-logprob = st.floats(min_value=-50.0, max_value=0.0, allow_nan=False)
+# engines compute logprobs in float32 (kept as float32); others must survive exactly too
+logprob = st.one_of(
+    st.floats(min_value=-50.0, max_value=0.0, allow_nan=False),
+    st.floats(min_value=-50.0, max_value=0.0, allow_nan=False, width=32),
+)
+
+
+drawn: dict[TurnNode, tuple[list[int], list[float]]] = {}
 
 
 @st.composite
 def grown_trees(draw: st.DrawFn) -> tuple[SessionTree, list[tuple[TurnNode, list[int]]]]:
-    """A tree grown by random extensions, siblings and token-level forks, with each turn's prompt."""
+    """A tree grown by random extensions, siblings and token-level forks, with each turn's prompt
+    (and, in `drawn`, what each turn sampled, as given)."""
     tree = SessionTree("s")
     prompts: list[tuple[TurnNode, list[int]]] = []
+    drawn.clear()
     for step in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["root", "extend", "fork"])) if tree.nodes else "root"
         context = draw(token_lists.filter(bool)) if kind == "root" else draw(token_lists)
@@ -52,6 +61,7 @@ def grown_trees(draw: st.DrawFn) -> tuple[SessionTree, list[tuple[TurnNode, list
             reply={"role": "assistant", "content": f"r{step}"},
         )
         prompts.append((node, prompt))
+        drawn[node] = (sampled, logprobs)
     return tree, prompts
 
 
@@ -79,11 +89,13 @@ def test_each_turn_is_recorded_after_the_exact_prompt_it_was_sampled_from(
 ) -> None:
     _, prompts = grown
     for node, prompt in prompts:
+        sampled, logprobs = drawn[node]
         view = BranchView.of(node)
         assert view.tokens[: len(prompt)] == prompt
-        assert view.tokens[len(prompt) :] == list(node.sampled)
-        assert [lp for lp in view.logprobs[len(prompt) :]] == list(node.logprobs)
-        assert view.loss_mask[len(prompt) :] == [1] * len(node.sampled)
+        assert view.tokens[len(prompt) :] == sampled
+        assert view.logprobs[len(prompt) :] == logprobs  # bit for bit, float32 storage or not
+        assert view.loss_mask[len(prompt) :] == [1] * len(sampled)
+        assert node.path_array().tolist() == prompt + sampled
 
 
 @given(grown_trees())

@@ -165,6 +165,37 @@ def test_a_request_naming_its_session_by_header_or_body_reaches_the_owner(cluste
     assert httpx.get(f"{other}/export", params={"prefix": "named-elsewhere"}).json()["data"]
 
 
+def test_metrics_on_the_gateways_count_what_the_shards_hold(cluster: dict[str, Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counted = {"tokentape_turns_total": 0.0, "tokentape_sampled_tokens_total": 0.0}
+    for url in cluster["gateways"].values():
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            for sample in family.samples:
+                if sample.name in counted:
+                    counted[sample.name] += sample.value
+    listed = httpx.get(f"{cluster['front']}/sessions").json()["data"]
+    assert counted["tokentape_turns_total"] == sum(s["turns"] for s in listed) > 0
+    assert counted["tokentape_sampled_tokens_total"] == sum(s["sampled_tokens"] for s in listed) > 0
+
+
+def test_the_front_pages_through_every_shard_in_order(cluster: dict[str, Any]) -> None:
+    front = cluster["front"]
+    everything = httpx.get(f"{front}/sessions").json()["data"]
+    paged: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = httpx.get(f"{front}/sessions", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        assert len(page["data"]) <= 2
+        paged += page["data"]
+        if not page["has_more"]:
+            break
+        cursor = page["next_cursor"]
+    ids = [s["session_id"] for s in paged]
+    assert ids == [s["session_id"] for s in everything] and len(set(ids)) == len(ids) >= 5
+    assert [s["created_at"] for s in paged] == sorted(s["created_at"] for s in paged)
+
+
 def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generation(cluster: dict[str, Any]) -> None:
     front, gateways = cluster["front"], cluster["gateways"]
     created = httpx.post(f"{front}/sessions", json={"session_id": "left-early"}).json()

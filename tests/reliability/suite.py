@@ -6,11 +6,14 @@ and returns its figures. `tests/reliability/test_suite.py` runs a small version 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
+import sqlite3
 import statistics
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,24 +197,48 @@ async def malformed(server: RunningServer) -> Figures:
 
 
 # -- kill -9 loop ------------------------------------------------------------------------------------------
-async def kill_loop(tmp: Path, *, cycles: int, sessions: int, seed: int = 0) -> Figures:
+async def kill_loop(
+    tmp: Path,
+    *,
+    cycles: int,
+    sessions: int,
+    seed: int = 0,
+    engine_url: str | None = None,
+    window: tuple[float, float] = (1.0, 3.0),
+) -> Figures:
+    """`sessions` multi-turn sessions run concurrently against a real `tokentape serve` that is
+    killed with SIGKILL at a random moment of every cycle, then restarted on the same store; each
+    session keeps extending its own history across cycles. Every acknowledged turn (answered 200)
+    must be in the store afterwards exactly once. Every request carries its own random seed, so two
+    attempts of one step sample differently and a turn stored twice is told from a repeated step.
+    `engine_url`: a remote vLLM-format engine (else the embedded one)."""
     rng = random.Random(seed)
     store = tmp / "kill.sqlite3"
+    args = ["--store", str(store), "--context-length", "4096"]
+    if engine_url is not None:
+        args += ["--engine", f"vllm={engine_url}", "--served-model-name", MODEL]
     acknowledged: dict[str, list[list[int]]] = {}  # session -> every acknowledged turn's prompt + tokens
     histories: dict[str, list[dict[str, Any]]] = {f"k{i}": [] for i in range(sessions)}
     extended_after_restart = 0
+    requests_cut = 0
 
-    async def episode(base: str, session: str, turns: int) -> None:
+    answered = asyncio.Event()  # set by the first acknowledged turn of a cycle
+
+    async def episode(base: str, session: str) -> None:
+        nonlocal requests_cut
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            for _ in range(turns):
+            while True:
                 messages = [*histories[session], {"role": "user", "content": f"Step {len(histories[session])}"}]
-                response = await http.post(
-                    f"/sessions/{session}/v1/chat/completions",
-                    json={"model": MODEL, "messages": messages, "max_tokens": 8},
-                )
+                body = {"model": MODEL, "messages": messages, "max_tokens": 4, "seed": rng.randrange(1 << 30)}
+                try:
+                    response = await http.post(f"/sessions/{session}/v1/chat/completions", json=body)
+                except httpx.HTTPError:
+                    requests_cut += 1  # killed mid-request: not acknowledged
+                    return
                 if response.status_code != 200:
                     return
                 data = response.json()
+                answered.set()
                 acknowledged.setdefault(session, []).append(data["prompt_token_ids"] + data["choices"][0]["token_ids"])
                 histories[session] = [
                     *messages,
@@ -219,29 +246,58 @@ async def kill_loop(tmp: Path, *, cycles: int, sessions: int, seed: int = 0) -> 
                 ]
 
     for _ in range(cycles):
-        with running_server(["--store", str(store), "--context-length", "4096"]) as server:
+        with running_server(args) as server:
             before = sum(len(v) for v in acknowledged.values())
-            work = [asyncio.create_task(episode(server.base_url, s, 50)) for s in histories]
-            await asyncio.sleep(rng.uniform(1.0, 3.0))
+            answered.clear()
+            work = [asyncio.create_task(episode(server.base_url, s)) for s in histories]
+            # the kill comes at a random moment once traffic flows (a slow start is not a cycle without turns)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(answered.wait(), timeout=60)
+            await asyncio.sleep(rng.uniform(*window))
             os.kill(server.process.pid, signal.SIGKILL)  # at a random moment, mid-generation
             await asyncio.gather(*work, return_exceptions=True)
             server.process.wait()
             extended_after_restart += int(sum(len(v) for v in acknowledged.values()) > before)
     lost = 0
-    with running_server(["--store", str(store), "--context-length", "4096"]) as server:
+    with running_server(args) as server:
         for session, turns in acknowledged.items():
             branches = httpx.get(f"{server.base_url}/sessions/{session}/export").json()["branches"]
             for sequence in turns:
                 if not any(b["tokens"][: len(sequence)] == sequence for b in branches):
                     lost += 1
         rewrites = sum(httpx.get(f"{server.base_url}/sessions/{s}").json()["rewrites"] for s in acknowledged)
+    stored = _stored_paths(store)
+    duplicates = sum(
+        max(0, stored.get(session, []).count(tuple(t)) - 1) for session, ts in acknowledged.items() for t in ts
+    )
     return {
         "cycles": cycles,
+        "sessions": sessions,
         "acknowledged_turns": sum(len(v) for v in acknowledged.values()),
         "acknowledged_turns_lost": lost,
+        "duplicate_turns": duplicates,
+        "stored_turns": sum(len(v) for v in stored.values()),
+        "requests_cut_by_kill": requests_cut,
+        "longest_history_tokens": max((len(ts[-1]) for ts in acknowledged.values()), default=0),
         "cycles_that_extended_sessions": extended_after_restart,
         "rewrites_after_restarts": rewrites,
     }
+
+
+def _stored_paths(path: Path) -> dict[str, list[tuple[int, ...]]]:
+    """Every stored turn's whole token path (root to its last sampled token), per session, read
+    from the SQLite file with plain SQL: the check does not go through the store's own reader."""
+    db = sqlite3.connect(path)
+    paths: dict[str, list[tuple[int, ...]]] = {}
+    nodes: dict[tuple[str, int], tuple[int, ...]] = {}
+    query = "SELECT session_id, id, parent, keep, context, sampled FROM turns ORDER BY session_id, id"
+    for session, ident, parent, keep, context, sampled in db.execute(query):
+        head = nodes[(session, parent)][:keep] if parent is not None else ()
+        path = head + tuple(array("q", context)) + tuple(array("q", sampled))
+        nodes[(session, ident)] = path
+        paths.setdefault(session, []).append(path)
+    db.close()
+    return paths
 
 
 # -- disconnect storm ----------------------------------------------------------------------------------------

@@ -98,7 +98,9 @@ async def test_an_abandoned_write_still_lands_and_its_retry_survives_a_restart(s
         turns = (await http.get("/sessions/abandoned")).json()["turns"]
     assert turns == 1  # replayed, not sampled again
     # a restart reads SQLite: the acknowledged turn is there, with the tokens the retry was given
-    reloaded = SqliteStore(tmp_path / "store.sqlite3").load("abandoned")
+    reopened = SqliteStore(tmp_path / "store.sqlite3")
+    reloaded = await reopened.load("abandoned")
+    reopened.close()
     assert reloaded is not None and [list(n.sampled) for n in reloaded.nodes] == [ids]
 
 

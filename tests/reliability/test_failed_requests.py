@@ -34,7 +34,7 @@ async def test_an_engine_failure_before_the_first_token_leaves_no_session(
     app = create_app(Gateway(gated, renderer, SessionRegistry()), model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         failed = await http.post("/sessions/doomed/v1/chat/completions", json=BODY)
-        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert failed.status_code == 502 and failed.json()["error"]["code"] == "engine_error"
         streamed = await http.post("/sessions/doomed-stream/v1/chat/completions", json={**BODY, "stream": True})
         assert streamed.status_code == 200 and '"engine_error"' in streamed.text  # an error event, then [DONE]
         assert gated.calls == 4

@@ -85,7 +85,7 @@ async def test_the_sdk_retrying_after_a_lost_response_makes_one_turn(gateway: Ga
         sdk = openai.AsyncOpenAI(base_url="http://t/sessions/lost/v1", api_key="x", http_client=client, max_retries=2)
         reply = await sdk.chat.completions.create(**BODY)
         assert reply.choices[0].message.content
-    summary = gateway.sessions.get("lost").summary()
+    summary = (await gateway.sessions.get("lost")).summary()
     assert summary["turns"] == 1 and summary["requests"] == 1
 
 

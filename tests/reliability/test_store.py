@@ -55,7 +55,7 @@ async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEng
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         assert (await http.post("/sessions/gone/v1/chat/completions", json=body)).status_code == 200
-        tree = registry.get("gone").tree
+        tree = (await registry.get("gone")).tree
         assert (await http.delete("/sessions/gone")).status_code == 200
         # a late write for the deleted session (a turn that was still running) is refused
         assert not await registry.store.save_turn(tree, tree.nodes[0])
@@ -63,7 +63,7 @@ async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEng
         assert again.status_code == 409 and again.json()["error"]["code"] == "session_deleted"
     registry.store.close()
     reopened = SqliteStore(path)
-    assert reopened.load("gone") is None and reopened.is_deleted("gone")
+    assert await reopened.load("gone") is None and await reopened.is_deleted("gone")
     reopened.close()
 
 

@@ -164,8 +164,7 @@ class Episode:
     @classmethod
     def of(cls, renderer: Renderer, family: str, *, tools: bool = False, policy: str = "tape") -> Episode:
         engine = ScriptedEngine([], 0)
-        gateway = Gateway(engine, renderer, SessionRegistry())
-        gateway.sessions.open("episode", policy)  # type: ignore[arg-type]
+        gateway = Gateway(engine, renderer, SessionRegistry(policy))  # type: ignore[arg-type]
         return cls(family, renderer, gateway, engine, tools=[WEATHER] if tools else None)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -224,8 +223,8 @@ class Episode:
         ids = [t.token_id for t in done.tokens]
         if not self.calls:
             whole = self.renderer.tokenizer.encode(self.render(self.messages, True, self.current))
-            assert started.prompt_token_ids == whole, "the first prompt is not the template's rendering"
-        self.calls.append((started.prompt_token_ids, ids))
+            assert list(started.prompt_token_ids) == whole, "the first prompt is not the template's rendering"
+        self.calls.append((list(started.prompt_token_ids), ids))
         self.options.append(self.current)
         self.stops.append(ids[-1] if ids and ids[-1] in self.renderer.tokenizer.end_of_turn_ids else None)
         self.replies.append(done.reply.message())
@@ -286,7 +285,9 @@ class Episode:
                     content = message.get("content")
                     if isinstance(content, str) and message["role"] == "user":
                         assert content.strip() in after, f"turn {k}: a new message is missing from the bridge"
-        tree = self.gateway.sessions.get(self.session).tree
+        session = self.gateway.sessions.in_memory(self.session)
+        assert session is not None
+        tree = session.tree
         (branch,) = [b for b in export_session(tree)["branches"] if b["turn_ids"] == list(range(len(self.calls)))]
         last_prompt, last_ids = self.calls[-1]
         assert branch["tokens"] == last_prompt + last_ids, "the export is not the tape the engine saw"

@@ -20,9 +20,15 @@ from tests.render.corpus import CLOCK, WEATHER, Episode
 from tokentape.core.export import export_session
 from tokentape.errors import Conflict
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
+from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.store.sqlite import SqliteStore
+
+
+def _session(ep: Episode) -> Session:
+    session = ep.gateway.sessions.in_memory(ep.session)
+    assert session is not None
+    return session
 
 
 async def _first_round(ep: Episode) -> None:
@@ -37,9 +43,9 @@ async def test_changed_tools_on_qwen25_are_a_counted_rewrite_under_tape(renderer
     ep.tools = [WEATHER, CLOCK]
     await ep.turn([{"role": "user", "content": "And the time?"}], ep.sample("Noon."))
     ep.check()
-    summary = ep.gateway.sessions.get(ep.session).tree.summary()
+    summary = _session(ep).tree.summary()
     assert summary["rewrites"] == 1
-    (branch,) = export_session(ep.gateway.sessions.get(ep.session).tree)["branches"]
+    (branch,) = export_session(_session(ep).tree)["branches"]
     (rewrite,) = branch["rewrites"]
     assert rewrite["kind"] == "template" and "tools" in rewrite["detail"]
     # tape: the engine still sees the recorded history, whose system prompt lists only the first tool
@@ -53,7 +59,7 @@ async def test_changed_tools_on_qwen25_are_rejected_under_strict(renderers: dict
     ep.tools = [WEATHER, CLOCK]
     with pytest.raises(Conflict, match="tools"):
         await ep.turn([{"role": "user", "content": "And the time?"}], ep.sample("Noon."))
-    assert len(ep.gateway.sessions.get(ep.session).tree.nodes) == 2  # nothing recorded
+    assert len(_session(ep).tree.nodes) == 2  # nothing recorded
 
 
 async def test_changed_tools_on_qwen25_fork_to_the_templates_rendering(renderers: dict[str, Renderer]) -> None:
@@ -64,7 +70,7 @@ async def test_changed_tools_on_qwen25_fork_to_the_templates_rendering(renderers
     prompt, _ = ep.calls[-1]
     whole = ep.renderer.render_text(ep.messages[:-1], True, ep.current)
     assert prompt == ep.renderer.tokenizer.encode(whole)  # the new tools, history as the template renders it
-    tree = ep.gateway.sessions.get(ep.session).tree
+    tree = _session(ep).tree
     assert tree.nodes[-1].parent is None or tree.nodes[-1].keep < tree.nodes[1].end  # a new branch
     assert len(tree.branches()) == 2
 
@@ -75,11 +81,10 @@ async def test_changed_tools_are_seen_after_the_session_is_reloaded(
     renderer = renderers["qwen2.5"]
     path = tmp_path / "tape.sqlite3"
     ep = Episode.of(renderer, "qwen2.5", tools=True, policy="strict")
-    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(store=SqliteStore(path)))
-    ep.gateway.sessions.open(ep.session, "strict")
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry("strict", store=SqliteStore(path)))
     await _first_round(ep)
-    ep.gateway.sessions.store.close()
-    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(store=SqliteStore(path)))  # a restart
+    await ep.gateway.sessions.aclose()
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry("strict", store=SqliteStore(path)))  # a restart
     same = Episode(ep.family, renderer, ep.gateway, ep.engine, tools=[WEATHER])
     same.messages, same.replies, same.reply_at, same.options = ep.messages, ep.replies, ep.reply_at, ep.options
     same.calls, same.stops = ep.calls, ep.stops
@@ -100,7 +105,7 @@ async def test_enable_thinking_reaches_only_the_new_segment_on_qwen3(renderers: 
         ep.template_kwargs = kwargs
         await ep.turn([{"role": "user", "content": "Quick answer: 2+2?"}], ep.sample("4"))
         ep.check()
-        (branch,) = export_session(ep.gateway.sessions.get(ep.session).tree)["branches"]
+        (branch,) = export_session(_session(ep).tree)["branches"]
         rewrites.append([(r["at_message"], r["detail"]) for r in branch["rewrites"]])
     assert rewrites[0] == rewrites[1]
     assert "kwargs" not in str(rewrites[1])

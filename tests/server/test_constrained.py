@@ -221,7 +221,7 @@ async def test_constrained_and_trace_ids_survive_a_restart(
     with sqlite3.connect(path) as db:  # as a store of an earlier version left it
         db.execute("ALTER TABLE turns DROP COLUMN constrained")
     reopened = SqliteStore(path)
-    kept, free_tree = reopened.load("kept"), reopened.load("free")
+    kept, free_tree = await reopened.load("kept"), await reopened.load("free")
     assert kept is not None and free_tree is not None
     assert [n.constrained for n in (*kept.nodes, *free_tree.nodes)] == [False, False]
     assert [n.trace_id for n in kept.nodes] == ["trace-9"]

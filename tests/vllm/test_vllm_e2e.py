@@ -122,7 +122,9 @@ async def test_five_turns_are_exactly_what_vllm_sampled(
         # the prompt the gateway sent is the tape so far, and it is the prompt vLLM ran
         assert prompt_sent(exchange) == tokens[:start]
         reported_ids, reported_count = prompt_reported(exchange)
-        assert reported_ids is not None or reported_count is not None
+        # vLLM 0.32's streamed token route reports neither the prompt nor usage; every other answer does
+        if not (kind == "vllm-generate" and exchange.streamed):
+            assert reported_ids is not None or reported_count is not None
         if reported_ids is not None:
             assert reported_ids == tokens[:start]
         if reported_count is not None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokentape.core.digests import ChainCache
 from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
@@ -84,6 +85,7 @@ class SessionTree:
         self.rewrites: list[Rewrite] = []
         self._by_chain: dict[bytes, TurnNode] = {}
         self._by_prompt_chain: dict[bytes, TurnNode] = {}
+        self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -101,7 +103,7 @@ class SessionTree:
 
     @property
     def token_count(self) -> int:
-        return sum(len(n.context) + len(n.sampled) for n in self.nodes)
+        return sum(n.end - n.keep for n in self.nodes)
 
     def summary(self) -> dict[str, object]:
         return {
@@ -110,7 +112,7 @@ class SessionTree:
             "turns": len(self.nodes),
             "branches": len(self.leaves),
             "tokens": self.token_count,
-            "sampled_tokens": sum(len(n.sampled) for n in self.nodes),
+            "sampled_tokens": sum(n.end - n.sampled_start for n in self.nodes),
             "rewrites": len(self.rewrites),
             **self.outcome.as_dict(),
         }
@@ -124,18 +126,21 @@ class SessionTree:
         `chains` are the chain hashes of the request's message prefixes (`messages.hash_chain`).
         Returns (extended node, messages it covers, edited node, index of the edited reply).
         """
+        # Scanned from the newest message back: the deepest match is usually the reply before the
+        # last user message, so this costs the messages the request adds, not the history.
         extended: TurnNode | None = None
         covered = 0
+        for i in range(len(chains), 0, -1):
+            if (node := self._by_chain.get(chains[i - 1])) is not None:
+                extended, covered = node, i
+                break
         edited: TurnNode | None = None
         edited_at = -1
-        for i, chain in enumerate(chains, start=1):
-            if (node := self._by_chain.get(chain)) is not None:
-                extended, covered = node, i
-            candidate = self._by_prompt_chain.get(chain)
+        for i in range(len(chains), covered - 1, -1):  # an edit before `covered` is a sibling's reply
+            candidate = self._by_prompt_chain.get(chains[i - 1]) if i > 0 else None
             if candidate is not None and i < len(messages) and messages[i].get("role") == "assistant":
                 edited, edited_at = candidate, i
-        if edited is not None and edited_at < covered:
-            edited = None  # a later turn was matched exactly; the difference is a sibling's reply
+                break
         return extended, covered, edited, edited_at
 
     # -- recording ---------------------------------------------------------------------------------
@@ -167,8 +172,8 @@ class SessionTree:
             keep=turn.keep,
             context=turn.context,
             context_origin=turn.context_origin,
-            sampled=tuple(sampled),
-            logprobs=tuple(logprobs),
+            sampled=sampled,
+            logprobs=logprobs,
             finish_reason=finish_reason,
             depth=0 if turn.parent is None else turn.parent.depth + 1,
             prompt_chain=prompt_chain,

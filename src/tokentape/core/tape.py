@@ -4,16 +4,18 @@ A turn node holds the tokens the gateway put in front of one generation (`contex
 or the bridge after the parent's sampled tokens) and the tokens the engine sampled. A node continues
 its parent's path after `keep` tokens: normally the parent's whole path, fewer when a rewrite forked
 the path at a token inside it. A branch is the path from a root to a leaf; it is one training sample.
-A node's tokens, logprobs and reply are fixed when it is attached; the only thing that changes
-afterwards is its `children` list, which grows as later turns attach below it.
+A node's tokens, logprobs and reply are fixed when it is attached; what changes afterwards is its
+`children` list, which grows as later turns attach below it, and the buffer its tokens live in, which
+a child may extend after them.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = ["Origin", "Rewrite", "RewriteKind", "RewritePolicy", "TurnNode", "BranchView", "FinishReason"]
@@ -55,51 +57,162 @@ class Rewrite:
         }
 
 
-@dataclass(slots=True, eq=False)
 class TurnNode:
-    """One generation: the context put before it and the tokens sampled in it."""
+    """One generation: the context put before it and the tokens sampled in it.
 
-    id: int
-    parent: TurnNode | None
-    keep: int
-    context: tuple[int, ...]
-    context_origin: Origin
-    sampled: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: FinishReason
-    depth: int
-    prompt_chain: bytes  # chain hash of the request messages that led to this turn
-    chain: bytes  # chain hash of those messages plus the reply this turn returned
-    message_count: int  # request messages + 1 (the reply)
-    reply: Mapping[str, Any] = field(default_factory=dict)  # the assistant message this turn returned
-    rewrite: Rewrite | None = None
-    request_key: bytes | None = None  # names the request's body (an SDK retry repeats it)
-    request: int | None = None  # the session's number for the request that made this turn
-    trace_id: str | None = None  # a second session name the client sent with the request
-    policy_version: str | None = None  # the weights that sampled this turn
-    logprob_mode: str | None = None  # what its logprobs are, as its engine reported (None: not recorded)
-    # what the template read besides the messages (tools, chat_template_kwargs); shared with the
-    # parent's when equal
-    template_inputs: Mapping[str, Any] | None = None
-    # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
-    # distribution's, not the policy's
-    constrained: bool = False
-    children: list[TurnNode] = field(default_factory=list)
+    Tokens are kept as int32 in a buffer shared along a path: a node that continues its parent at
+    the parent's end, while no sibling has done so yet, appends to the parent's buffer, so a linear
+    conversation is one flat array and its path is one slice. A node that starts elsewhere (a root,
+    a fork inside its parent, a second child) starts a new buffer after its parent's path. Logprobs
+    are float32 when that loses nothing (engines compute them in float32), float64 otherwise.
+    """
 
-    def __post_init__(self) -> None:
-        if len(self.sampled) != len(self.logprobs):
+    __slots__ = (
+        "_base",
+        "_base_node",
+        "_buffer",
+        "_context_length",
+        "_logprobs",
+        "_sampled_length",
+        "chain",
+        "children",
+        "constrained",
+        "context_origin",
+        "depth",
+        "finish_reason",
+        "id",
+        "keep",
+        "logprob_mode",
+        "message_count",
+        "parent",
+        "policy_version",
+        "prompt_chain",
+        "reply",
+        "request",
+        "request_key",
+        "rewrite",
+        "template_inputs",
+        "trace_id",
+    )
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        parent: TurnNode | None,
+        keep: int,
+        context: Sequence[int],
+        context_origin: Origin,
+        sampled: Sequence[int],
+        logprobs: Sequence[float],
+        finish_reason: FinishReason,
+        depth: int,
+        prompt_chain: bytes,
+        chain: bytes,
+        message_count: int,
+        reply: Mapping[str, Any] | None = None,
+        rewrite: Rewrite | None = None,
+        request_key: bytes | None = None,
+        request: int | None = None,
+        trace_id: str | None = None,
+        policy_version: str | None = None,
+        logprob_mode: str | None = None,
+        template_inputs: Mapping[str, Any] | None = None,
+        constrained: bool = False,
+    ) -> None:
+        if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
-        if any(math.isnan(lp) for lp in self.logprobs):
+        if any(math.isnan(lp) for lp in logprobs):
             raise ValueError("sampled logprobs must be numbers")
+        self.id = id
+        self.parent = parent
+        self.keep = keep
+        self.context_origin = context_origin
+        self.finish_reason: FinishReason = finish_reason
+        self.depth = depth
+        self.prompt_chain = prompt_chain  # chain hash of the request messages that led to this turn
+        self.chain = chain  # chain hash of those messages plus the reply this turn returned
+        self.message_count = message_count  # request messages + 1 (the reply)
+        self.reply: Mapping[str, Any] = {} if reply is None else reply  # the assistant message returned
+        self.rewrite = rewrite
+        self.request_key = request_key  # names the request's body (an SDK retry repeats it)
+        self.request = request  # the session's number for the request that made this turn
+        self.trace_id = trace_id  # a second session name the client sent with the request
+        self.policy_version = policy_version  # the weights that sampled this turn
+        self.logprob_mode = logprob_mode  # what its logprobs are, as its engine reported (None: not recorded)
+        # what the template read besides the messages (tools, chat_template_kwargs); shared with the
+        # parent's when equal
+        self.template_inputs = template_inputs
+        # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
+        # distribution's, not the policy's
+        self.constrained = constrained
+        self.children: list[TurnNode] = []
+        self._context_length = len(context)
+        self._sampled_length = len(sampled)
+        self._logprobs = _compact_floats(logprobs)
+        # buffer[i] is path token base + i; path tokens before base are base_node's path
+        self._buffer: array[int]
+        self._base: int
+        self._base_node: TurnNode | None
+        if parent is not None and keep == parent.end and len(parent._buffer) == parent.end - parent._base:
+            self._buffer, self._base, self._base_node = parent._buffer, parent._base, parent._base_node
+        else:
+            self._buffer, self._base, self._base_node = array("i"), keep, parent if keep else None
+        self._buffer.extend(context)
+        self._buffer.extend(sampled)
 
     @property
     def end(self) -> int:
         """Length of the path from the root through this node."""
-        return self.keep + len(self.context) + len(self.sampled)
+        return self.keep + self._context_length + self._sampled_length
 
     @property
     def sampled_start(self) -> int:
-        return self.keep + len(self.context)
+        return self.keep + self._context_length
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        start = self.keep - self._base
+        return tuple(self._buffer[start : start + self._context_length])
+
+    @property
+    def sampled(self) -> tuple[int, ...]:
+        start = self.sampled_start - self._base
+        return tuple(self._buffer[start : start + self._sampled_length])
+
+    @property
+    def logprobs(self) -> tuple[float, ...]:
+        return tuple(self._logprobs)
+
+    @property
+    def last_sampled(self) -> int | None:
+        """The last token the engine sampled in this turn, if any."""
+        return self._buffer[self.end - self._base - 1] if self._sampled_length else None
+
+    def own_tokens(self, limit: int | None = None) -> array[int]:
+        """This node's context and sampled tokens, up to path position `limit`."""
+        stop = self.end if limit is None else max(self.keep, min(limit, self.end))
+        return self._buffer[self.keep - self._base : stop - self._base]
+
+    def path_array(self) -> array[int]:
+        """The token IDs of the path from the root through this node, as one int32 array."""
+        if self._base_node is None:
+            return self._buffer[: self.end - self._base]
+        head = self._base_node.path_array()
+        del head[self._base :]
+        head.extend(self._buffer[: self.end - self._base])
+        return head
+
+
+def _compact_floats(values: Sequence[float]) -> array[float]:
+    """float32 when every value survives the round trip, else float64."""
+    try:
+        single = array("f", values)
+    except OverflowError:
+        return array("d", values)
+    if all(a == b for a, b in zip(single, values, strict=True)):
+        return single
+    return array("d", values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +229,20 @@ class BranchView:
     @classmethod
     def of(cls, leaf: TurnNode) -> BranchView:
         nodes = list(path(leaf))
-        tokens: list[int] = []
+        tokens: array[int] = array("i")
         origins: list[Origin] = []
         logprobs: list[float | None] = []
         turns: list[int] = []
         for node, limit in zip(nodes, _limits(nodes), strict=True):
-            context = node.context[: max(0, limit - node.keep)]
-            sampled = node.sampled[: max(0, limit - node.sampled_start)]
-            tokens += context
-            tokens += sampled
-            origins += [node.context_origin] * len(context) + [Origin.SAMPLED] * len(sampled)
-            logprobs += [None] * len(context)
-            logprobs += node.logprobs[: len(sampled)]
-            turns += [node.depth] * (len(context) + len(sampled))
-        return cls(leaf, tokens, origins, logprobs, turns, nodes)
+            own = node.own_tokens(limit)
+            context = max(0, min(limit, node.sampled_start) - node.keep)
+            sampled = len(own) - context
+            tokens.extend(own)
+            origins += [node.context_origin] * context + [Origin.SAMPLED] * sampled
+            logprobs += [None] * context
+            logprobs += node._logprobs[:sampled].tolist()
+            turns += [node.depth] * (context + sampled)
+        return cls(leaf, tokens.tolist(), origins, logprobs, turns, nodes)
 
     @property
     def loss_mask(self) -> list[int]:
@@ -162,9 +275,4 @@ def _limits(nodes: Sequence[TurnNode]) -> list[int]:
 
 def path_tokens(leaf: TurnNode) -> list[int]:
     """The token IDs of the path from the root to `leaf`."""
-    tokens: list[int] = []
-    nodes = list(path(leaf))
-    for node, limit in zip(nodes, _limits(nodes), strict=True):
-        own = node.context + node.sampled
-        tokens += own[: max(0, limit - node.keep)]
-    return tokens
+    return leaf.path_array().tolist()

@@ -54,7 +54,7 @@ Call = ChatCall | CompletionCall
 @dataclass(frozen=True, slots=True)
 class Started:
     session_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # an int32 array from the tape, or a list
     prefix_match: PrefixMatch | None = None  # how an unnamed request was placed, in prefix-matching mode
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat
@@ -44,7 +44,7 @@ class ChoiceRun:
         engine: Engine,
         tokenizer: Tokenizer,
         index: int,
-        prompt: list[int],
+        prompt: Sequence[int],
         sampling: SamplingParams,
         *,
         mode: ReplyMode | None,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from tokentape.core.messages import EMPTY_CHAIN, chain_step, hash_chain
+from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
 from tokentape.core.session import Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
 from tokentape.errors import InvalidRequest
@@ -20,11 +20,13 @@ from tokentape.render.renderer import Renderer, RenderOptions
 
 __all__ = ["Plan", "Planner", "deepest_prefix_node"]
 
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
     turn: NewTurn
-    prompt: list[int]
+    prompt: Sequence[int]  # an int32 array sliced from the tape, or a list
     prompt_chain: bytes  # chain hash of the request's messages
     prompt_length: int  # how many messages the request had
     reply_mode: ReplyMode | None = None  # None: raw completion text
@@ -39,12 +41,13 @@ class Planner:
     async def chat(self, tree: SessionTree, call: ChatCall) -> Plan:
         if not call.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        chains = list(hash_chain(call.messages))
+        chains = tree.digests.chains(call.messages)
         decision = plan_request(tree, call.messages, chains)
         if isinstance(decision, Fresh):
             return await self._fresh(tree, call, decision, chains[-1])
         node = decision.node
-        bridge = await asyncio.to_thread(
+        bridge = await _render(
+            _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]]),  # the anchor
             self.renderer.bridge,
             call.messages,
             decision.new_from - 1,
@@ -66,11 +69,12 @@ class Planner:
                 return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1])
         turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
         mode = self._reply_mode(call, bridge.opens_reasoning)
-        tokens = path_tokens(node) + bridge.tokens
-        return Plan(turn, tokens, chains[-1], len(chains), mode, template_inputs=call.options.inputs())
+        prompt = node.path_array()
+        prompt.extend(bridge.tokens)
+        return Plan(turn, prompt, chains[-1], len(chains), mode, template_inputs=call.options.inputs())
 
     async def _fresh(self, tree: SessionTree, call: ChatCall, decision: Fresh, chain: bytes) -> Plan:
-        prompt = await asyncio.to_thread(self.renderer.prompt, call.messages, call.options)
+        prompt = await _render(_text_size(call.messages), self.renderer.prompt, call.messages, call.options)
         tokens, count = prompt.tokens, len(call.messages)
         mode = self._reply_mode(call, prompt.opens_reasoning)
         inputs = call.options.inputs()
@@ -90,9 +94,8 @@ class Planner:
 
     def _stop_token(self, node: TurnNode) -> int | None:
         """The end-of-turn token a turn ended on, if it ended on one."""
-        if node.sampled and node.sampled[-1] in self._end_of_turn:
-            return node.sampled[-1]
-        return None
+        last = node.last_sampled
+        return last if last in self._end_of_turn else None
 
     async def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """A completion's prompt as token IDs (text is tokenized; IDs are checked against the vocabulary)."""
@@ -116,6 +119,28 @@ class Planner:
         # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
         chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
         return Plan(turn, prompt, chain, 1)
+
+
+INLINE_RENDER_CHARS = 16_384  # renders of less text than this take well under a millisecond
+
+
+async def _render(size: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """Render on the event loop when the text is small: a hop to a worker thread and back costs more
+    CPU than the render itself; large renders go to a thread so other requests are not held up."""
+    if size < INLINE_RENDER_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _text_size(messages: Sequence[Message]) -> int:
+    """About how much text rendering `messages` handles (content and tool calls, in characters)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        size += len(content) if isinstance(content, str) else len(str(content or ""))
+        if message.get("tool_calls"):
+            size += len(str(message["tool_calls"]))
+    return size
 
 
 def deepest_prefix_node(nodes: Sequence[TurnNode], prompt: Sequence[int]) -> TurnNode | None:

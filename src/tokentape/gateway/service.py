@@ -100,7 +100,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._background, *self._writes, return_exceptions=True)
         await self.engine.close()
-        self.sessions.close()
+        await self.sessions.aclose()
 
     def stats(self) -> GatewayStats:
         return GatewayStats(
@@ -178,7 +178,7 @@ class Gateway:
             yield event
 
     async def _serve(self, call: Call, completion_prompt: list[int] | None) -> AsyncIterator[Event]:
-        async with self._ticket(call) as ticket:
+        async with await self._ticket(call) as ticket:
             session = ticket.session
             if call.retry:
                 replayed = await self._replay(ticket)
@@ -217,18 +217,18 @@ class Gateway:
                     async for event in choice:
                         yield event
 
-    def _ticket(self, call: Call) -> Ticket:
-        """Open the request's session and hold it under a ticket."""
+    async def _ticket(self, call: Call) -> Ticket:
+        """Open the request's session (read from the store only if it is not in memory) and hold it
+        under a ticket."""
         session_id = call.session_id
-        existed = session_id is not None and self.sessions.exists(session_id)
-        session = self.sessions.open(session_id, call.rewrite_policy)
+        session, created = await self.sessions.open(session_id, call.rewrite_policy)
         if session_id is None and call.request_key is not None:
             self.sessions.remember_unnamed(call.request_key, session.id)
         return Ticket(
             self.sessions,
             self.admission,
             session,
-            created=not existed,
+            created=created,
             key=call.request_key,
             track_write=self._track_write,
             on_written=self.metrics.store_write,

@@ -1,7 +1,10 @@
-"""Live sessions: each is one tree of turns in memory, backed by the store. There is no lock: the
-event loop runs one task at a time, and a request touches its session's tree only between awaits
-(finding its place, attaching a turn), so concurrent calls on one session proceed in parallel and
-each lands as its own turn."""
+"""Live sessions: each is one tree of turns, held in memory while in use and always in the store.
+
+A session missing from memory is loaded from the store (off the event loop). Idle sessions leave
+memory on a timer; past the size limit the least recently used leave at once. There is no lock:
+the event loop runs one task at a time, and a request touches its session's tree only between
+awaits (finding its place, attaching a turn), so concurrent calls on one session proceed in
+parallel and each lands as its own turn."""
 
 from __future__ import annotations
 
@@ -10,14 +13,15 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tokentape.core.messages import Message, chain_of
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import RewritePolicy
-from tokentape.errors import Conflict, InvalidRequest, NotFound
-from tokentape.store.sqlite import SqliteStore
+from tokentape.errors import Conflict, InvalidRequest, NotFound, StoreFailure
+from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
+from tokentape.store.sqlite import PAGE_SIZE, SqliteStore
 
 __all__ = [
     "MemoryLimits",
@@ -93,6 +97,7 @@ class Session:
     def finish(self) -> None:
         if not self.tree.outcome.finished:
             self.tree.outcome.finished_at = time.time()
+        self.tree.digests.clear()  # a finished session takes no more requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,7 @@ class MemoryLimits:
 
     max_sessions: int = 10_000
     idle_seconds: float = 3600.0  # a session unused this long leaves memory (it reloads on use)
+    evict_every: float = 30.0  # how often idle sessions are looked for; a scan costs one pass over the idle ones
 
 
 class SessionRegistry:
@@ -133,9 +139,12 @@ class SessionRegistry:
         self.match_prefix = match_prefix  # unnamed chat requests continue the one session they extend
         self.store = store or SqliteStore(":memory:")
         self.limits = limits
-        self._sessions: dict[str, Session] = {}
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.evicted = 0
         self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
+        self._timer: asyncio.TimerHandle | None = None
+        self._opening: dict[str, asyncio.Task[tuple[SessionTree | None, bool]]] = {}
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
 
@@ -161,60 +170,95 @@ class SessionRegistry:
         if last < 0:
             return PrefixMatch("new")
         chain = chain_of(messages[: last + 1])
-        found = [s.id for s in self._sessions.values() if not s.tree.outcome.finished and s.tree.has_chain(chain)]
+        found = [s for s in self._sessions.values() if not s.tree.outcome.finished and s.tree.has_chain(chain)]
         if len(found) == 1:
-            self.get(found[0])  # marks it used
-            return PrefixMatch("matched", found[0], 1)
+            self._touch(found[0])
+            return PrefixMatch("matched", found[0].id, 1)
         return PrefixMatch("ambiguous" if found else "unmatched", None, len(found))
+
+    def in_memory(self, session_id: str) -> Session | None:
+        """The session if it is in memory now; never reads the store."""
+        return self._sessions.get(session_id)
 
     def live(self) -> int:
         """Sessions in memory and not finished."""
         return sum(1 for session in self._sessions.values() if not session.tree.outcome.finished)
 
-    def _load(self, session_id: str) -> Session | None:
-        session = self._sessions.get(session_id)
-        if session is None:
-            tree = self.store.load(session_id)
-            if tree is None:
-                return None
-            session = Session.restored(tree)
-            self._sessions[session_id] = session
+    def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
-        return session
+        self._sessions.move_to_end(session.id)
 
-    def get(self, session_id: str) -> Session:
-        session = self._load(check_session_id(session_id))
+    def _keep(self, session: Session) -> Session:
+        """Hold a session in memory, unless another task put it there first while we awaited."""
+        held = self._sessions.setdefault(session.id, session)
+        self._touch(held)
+        self._trim()
+        self._arm_evictions()
+        return held
+
+    async def _load(self, session_id: str) -> Session | None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._touch(session)
+            return session
+        tree = await self.store.load(session_id)
+        return None if tree is None else self._keep(Session.restored(tree))
+
+    async def get(self, session_id: str) -> Session:
+        """The session, from memory or the store; NotFound if there is none, StoreFailure
+        (session_corrupt) if its stored rows cannot be read."""
+        session = await self._load(check_session_id(session_id))
         if session is None:
             raise NotFound(f"no session {session_id!r}", param="session_id", code="session_not_found")
         return session
 
-    def open(self, session_id: str | None, policy: RewritePolicy | None = None) -> Session:
-        """The named session, created on first use; a fresh one-call session when unnamed."""
-        if session_id is None:
-            session_id = f"call-{uuid.uuid4().hex}"
+    async def open(self, session_id: str | None, policy: RewritePolicy | None = None) -> tuple[Session, bool]:
+        """The named session, created on first use, or a fresh one-call session when unnamed;
+        with True when this call created it (it is in memory only until its first write)."""
+        if session_id is None:  # a fresh random id cannot be in the store: no read
+            fresh = Session(
+                SessionTree(f"call-{uuid.uuid4().hex}", policy or self.default_policy, created_at=time.time())
+            )
+            return self._keep(fresh), True
         check_session_id(session_id)
-        session = self._load(session_id)
-        if session is None:
-            if self.store.is_deleted(session_id):
-                raise Conflict(f"session {session_id!r} was deleted", param="session_id", code="session_deleted")
-            session = Session(SessionTree(session_id, policy or self.default_policy, created_at=time.time()))
-            self._sessions[session_id] = session
-        self._evict()
-        return session
+        if (session := self._sessions.get(session_id)) is not None:
+            self._touch(session)
+            return session, False
+        tree, deleted = await self._lookup(session_id)
+        if deleted:
+            raise Conflict(f"session {session_id!r} was deleted", param="session_id", code="session_deleted")
+        if (session := self._sessions.get(session_id)) is not None:  # loaded or created by another task meanwhile
+            self._touch(session)
+            return session, False
+        if tree is not None:
+            return self._keep(Session.restored(tree)), False
+        fresh = Session(SessionTree(session_id, policy or self.default_policy, created_at=time.time()))
+        return self._keep(fresh), True
 
-    def exists(self, session_id: str) -> bool:
-        return self._load(check_session_id(session_id)) is not None
+    async def _lookup(self, session_id: str) -> tuple[SessionTree | None, bool]:
+        """One store read per id at a time: requests opening the same session together share it and
+        resume in arrival order, so the first one claims its retry key before a retry looks."""
+        reading = self._opening.get(session_id)
+        if reading is None:
+            reading = asyncio.get_running_loop().create_task(self.store.lookup(session_id))
+            self._opening[session_id] = reading
+            reading.add_done_callback(lambda _: self._opening.pop(session_id, None))
+        return await asyncio.shield(reading)
+
+    async def exists(self, session_id: str) -> bool:
+        return await self._load(check_session_id(session_id)) is not None
 
     def discard(self, session_id: str) -> None:
         """Forget a session that was never written (the requests that opened it recorded nothing)."""
         self._sessions.pop(session_id, None)
 
-    def close(self) -> None:
-        """Close the store (it checkpoints its log into the database file)."""
-        self.store.close()
-
     async def delete(self, session_id: str) -> None:
-        self.get(session_id)
+        """Delete a session (also one whose stored rows cannot be read); NotFound if there is none."""
+        try:
+            await self.get(session_id)
+        except StoreFailure as exc:
+            if exc.code != "session_corrupt":
+                raise
         self._sessions.pop(session_id, None)
         await self.store.delete(session_id)
 
@@ -223,28 +267,93 @@ class SessionRegistry:
         if not await self.store.save_session(session.tree):
             raise Conflict(f"session {session.id!r} was deleted", param="session_id", code="session_deleted")
 
-    def all(self) -> list[Session]:
-        """Every stored session: those in memory, and the others loaded for this call only."""
-        listed = list(self._sessions.values())
-        for session_id in self.store.session_ids():
-            if session_id not in self._sessions:
-                tree = self.store.load(session_id)
-                if tree is not None:
-                    listed.append(Session.restored(tree))
-        return listed
+    async def scan(
+        self, where: SessionFilter = ANY_SESSION, *, after: SessionKey | None = None, page_size: int = PAGE_SIZE
+    ) -> AsyncIterator[StoredSession]:
+        """Every stored session matching `where`, in `(created_at, session_id)` order, a page at a
+        time: the tree in memory where there is one (it also counts requests), else the stored one,
+        which is not kept in memory. Unreadable sessions come with their error."""
+        while True:
+            keys = await self.store.keys(where, after=after, limit=page_size)
+            if not keys:
+                return
+            missing = [session_id for _, session_id in keys if session_id not in self._sessions]
+            loaded = {s.session_id: s for s in await self.store.load_many(missing)} if missing else {}
+            for created_at, session_id in keys:
+                if (session := self._sessions.get(session_id)) is not None:
+                    yield StoredSession(session_id, created_at, session.tree)
+                elif (stored := loaded.get(session_id)) is not None:
+                    yield stored
+            after = keys[-1]
 
-    def _evict(self) -> None:
-        """Drop idle sessions from memory, oldest first, down to the limit. They stay in the store."""
-        now = time.monotonic()
-        idle = [s for s in self._sessions.values() if not s.in_flight and now - s.last_used > self.limits.idle_seconds]
-        for session in idle:
-            del self._sessions[session.id]
-            self.evicted += 1
-        if len(self._sessions) <= self.limits.max_sessions:
+    def summary(self, stored: StoredSession) -> dict[str, object]:
+        """A listing's entry: the session's summary, or its id and why it cannot be read."""
+        if stored.tree is None:
+            return {
+                "session_id": stored.session_id,
+                "created_at": stored.created_at,  # listings of several stores are ordered by it
+                "error": {"message": stored.error, "type": "server_error", "param": None, "code": "session_corrupt"},
+            }
+        session = self._sessions.get(stored.session_id)
+        if session is not None and session.tree is stored.tree:
+            return session.summary()
+        return Session.restored(stored.tree).summary()
+
+    # -- memory --------------------------------------------------------------------------------------
+    def _trim(self) -> None:
+        """Past the size limit, drop the least recently used sessions that are not running."""
+        excess = len(self._sessions) - self.limits.max_sessions
+        if excess <= 0:
             return
-        for session in sorted(self._sessions.values(), key=lambda s: s.last_used):
-            if len(self._sessions) <= self.limits.max_sessions:
+        victims: list[str] = []
+        for session in self._sessions.values():
+            if len(victims) == excess:
                 break
             if not session.in_flight:
-                del self._sessions[session.id]
-                self.evicted += 1
+                victims.append(session.id)
+        for session_id in victims:
+            del self._sessions[session_id]
+        self.evicted += len(victims)
+
+    def evict_idle(self, now: float | None = None) -> int:
+        """Drop sessions unused for `idle_seconds` (they stay in the store); the number dropped.
+        Memory is in order of last use, so this stops at the first session used recently."""
+        cutoff = (time.monotonic() if now is None else now) - self.limits.idle_seconds
+        victims: list[str] = []
+        for session in self._sessions.values():
+            if session.last_used > cutoff:
+                break
+            if not session.in_flight:
+                victims.append(session.id)
+        for session_id in victims:
+            del self._sessions[session_id]
+        self.evicted += len(victims)
+        return len(victims)
+
+    def _arm_evictions(self) -> None:
+        """Look for idle sessions every `evict_every` seconds, on the loop that serves them."""
+        loop = asyncio.get_running_loop()
+        if self._timer_loop is loop and self._timer is not None:
+            return
+        self._timer_loop = loop
+
+        def tick() -> None:
+            self.evict_idle()
+            self._timer = loop.call_later(self.limits.evict_every, tick)
+
+        self._timer = loop.call_later(self.limits.evict_every, tick)
+
+    def close(self) -> None:
+        """Stop the eviction timer, commit every queued write and close the store (it checkpoints
+        its log into the database file)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.store.close()
+
+    async def aclose(self) -> None:
+        """`close` without blocking the event loop."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        await self.store.aclose()

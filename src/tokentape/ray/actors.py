@@ -61,7 +61,7 @@ class SessionDirectory:
         self.placement.add_gateway(index, url)
 
     async def gateways(self) -> dict[int, str]:
-        return dict(self.placement.urls)
+        return dict(sorted(self.placement.urls.items()))  # by index, whatever order they joined in
 
     async def owner(self, session_id: str, group_id: str | None = None) -> int:
         known = self.placement.owner(session_id)
@@ -208,7 +208,7 @@ class GatewayActor:
             await parts.aclose()  # type: ignore[attr-defined]
 
     async def holds(self, session_id: str) -> bool:
-        return bool(self.gateway.sessions.exists(session_id))
+        return await self.gateway.sessions.exists(session_id)
 
     async def describe(self) -> dict[str, Any]:
         return {

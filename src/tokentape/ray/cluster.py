@@ -82,7 +82,7 @@ class Cluster:
 
     @property
     def gateway_urls(self) -> dict[int, str]:
-        return dict(ray.get(self.directory.gateways.remote()))
+        return dict(sorted(ray.get(self.directory.gateways.remote()).items()))
 
     def describe(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each gateway's state; a gateway that is restarting is waited for."""

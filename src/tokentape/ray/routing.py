@@ -22,6 +22,7 @@ import orjson
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
 from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_body, run_app
+from tokentape.store.scan import encode_cursor
 
 __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
 
@@ -226,20 +227,34 @@ class OwnerRouting:
 
     async def _gather(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         indices = sorted(await self.peers.gateways())
+        query = {k: v[-1] for k, v in parse_qs(request.query_string.decode("latin-1")).items()}
         if request.path == "/sessions":
+            # every shard lists in (created_at, session_id) order from the same cursor: the first
+            # `limit` of their merged pages are the cluster's page
             listed: list[Any] = []
+            more = False
             for index in indices:
                 start, body = await collect(self._at(index, request))
                 if start.status != 200:
                     yield start
                     yield body
                     return
-                listed.extend(orjson.loads(body)["data"])
-            start, data = _json_response(200, {"object": "list", "data": listed})
+                page = orjson.loads(body)
+                listed.extend(page["data"])
+                more = more or bool(page.get("has_more"))
+            listed.sort(key=lambda row: (row.get("created_at") or 0.0, row["session_id"]))
+            next_cursor = None
+            if "limit" in query:
+                size = int(query["limit"])  # every shard accepted it
+                more = more or len(listed) > size
+                listed = listed[:size]
+                if more and listed:
+                    next_cursor = encode_cursor((listed[-1]["created_at"], listed[-1]["session_id"]))
+            page_body = {"object": "list", "data": listed, "has_more": more, "next_cursor": next_cursor}
+            start, data = _json_response(200, page_body)
             yield start
             yield data
             return
-        query = {k: v[-1] for k, v in parse_qs(request.query_string.decode("latin-1")).items()}
         output, fmt = query.get("output", "json"), query.get("format", "tokentape")
         shard_query = urlencode({**query, "output": "jsonl"}).encode()
         shard_request = HttpRequest("GET", "/export", shard_query, request.headers, b"")

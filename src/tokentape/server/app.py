@@ -25,7 +25,8 @@ from tokentape.server.admin import add_admin_routes
 from tokentape.server.dialects.anthropic import AnthropicMessages, MessagesRequest
 from tokentape.server.dialects.generate import GenerateRequest, VLLMGenerate
 from tokentape.server.dialects.responses import OpenAIResponses, ResponsesRequest
-from tokentape.server.errors import install_error_handlers, invalid_from_validation
+from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
+from tokentape.server.hot_routes import HotRoutes
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
 from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -89,22 +90,29 @@ def create_app(
     app = FastAPI(
         title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
     )
-    app.add_middleware(Guard, settings=guard or GuardSettings())
     install_error_handlers(app)
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
+    tool_format = gateway.renderer.tool_format
+    chat = serving.route(OpenAIChat(tokenizer, tool_format))
+    completions = serving.route(OpenAICompletions(tokenizer, tool_format))
+    # added first, so Guard (keys, limits) runs before it: the last middleware added is the outermost
+    app.add_middleware(
+        HotRoutes, routes={"/chat/completions": chat, "/completions": completions}, on_error=handle_error
+    )
+    app.add_middleware(Guard, settings=guard or GuardSettings())
 
     # -- OpenAI routes ----------------------------------------------------------------------------
     openai_routes = APIRouter()
     openai_routes.add_api_route(
         "/chat/completions",
-        serving.route(OpenAIChat(tokenizer, gateway.renderer.tool_format)),
+        chat,
         methods=["POST"],
         openapi_extra=_body_schema(ChatCompletionRequest),
     )
     openai_routes.add_api_route(
         "/completions",
-        serving.route(OpenAICompletions(tokenizer, gateway.renderer.tool_format)),
+        completions,
         methods=["POST"],
         openapi_extra=_body_schema(CompletionRequest),
     )

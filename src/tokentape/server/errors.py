@@ -28,6 +28,7 @@ __all__ = [
     "shape_for_path",
     "error_body",
     "error_response",
+    "handle_error",
     "install_error_handlers",
     "invalid_from_validation",
     "json_response",
@@ -138,20 +139,18 @@ def _from_http(exc: HTTPException) -> TokentapeError:
     return error
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(TokentapeError)
-    async def _known(request: Request, exc: TokentapeError) -> Response:
+async def handle_error(request: Request, exc: Exception) -> Response:
+    """Any exception a route raised, as an error response in the request's dialect."""
+    if isinstance(exc, TokentapeError):
         return error_response(exc, _shape_of(request))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+    if isinstance(exc, RequestValidationError):
         return error_response(invalid_from_validation(exc), _shape_of(request))
-
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> Response:
+    if isinstance(exc, HTTPException):
         return error_response(_from_http(exc), _shape_of(request))
+    log.exception("unexpected error", exc_info=exc)
+    return error_response(TokentapeError("internal server error", code="internal_error"), _shape_of(request))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error")
-        return error_response(TokentapeError("internal server error", code="internal_error"), _shape_of(request))
+
+def install_error_handlers(app: FastAPI) -> None:
+    for kind in (TokentapeError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(kind, handle_error)

@@ -24,7 +24,7 @@ class WireBuilder:
         model: str,
         kind: str,
         session_id: str,
-        prompt: list[int],
+        prompt: Sequence[int],
         *,
         tokens_as_ids: bool = False,
     ) -> None:
@@ -34,7 +34,7 @@ class WireBuilder:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.session_id = session_id
-        self.prompt = prompt
+        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for orjson
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

@@ -1,14 +1,16 @@
-"""Session routes: list, create (with group and metadata), inspect, reward, finish, export one or
-many (in a trainer's format, as JSON, JSONL or Parquet), delete."""
+"""Session routes: list (paged), create (with group and metadata), inspect, reward, finish, export
+one or many (in a trainer's format, as JSON, JSONL or Parquet, streamed from the store a page at a
+time), delete."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
@@ -19,11 +21,13 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_policy, check_session_id
 from tokentape.server.errors import json_response
 from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
+from tokentape.store.export import MEDIA_TYPES, OUTPUTS, Output, dataset_pages, encode_dataset
+from tokentape.store.scan import SessionFilter, StoredSession, decode_cursor, encode_cursor
 from tokentape.viewer import page
 
 __all__ = ["add_session_routes", "json_object"]
 
-OUTPUTS = ("json", "jsonl", "parquet")
+MAX_PAGE = 1000  # sessions per page of GET /sessions: each is loaded to summarize it
 
 
 async def json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
@@ -76,10 +80,28 @@ def _time(value: str | None, param: str) -> float | None:
         raise InvalidRequest(f"{param} must be a Unix time in seconds", param=param) from None
 
 
+def _output(value: str) -> Output:
+    for known in OUTPUTS:
+        if value == known:
+            return known
+    raise InvalidRequest(f"output must be one of {', '.join(OUTPUTS)}", param="output")
+
+
+def _limit(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be a whole number from 1 to {MAX_PAGE}", param="limit")
+    return limit
+
+
 def _rows_response(trees: list[SessionTree], fmt_name: str, output: str) -> Response:
     fmt = check_format(fmt_name)
-    if output not in OUTPUTS:
-        raise InvalidRequest(f"output must be one of {', '.join(OUTPUTS)}", param="output")
+    _output(output)
     rows = format_rows(samples_of(trees), fmt)
     if output == "jsonl":
         return Response(to_jsonl_bytes(rows), media_type="application/x-ndjson")
@@ -92,8 +114,37 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
     sessions = gateway.sessions
 
     @app.get("/sessions")
-    async def list_sessions() -> dict[str, Any]:
-        return {"object": "list", "data": [s.summary() for s in sessions.all()]}
+    async def list_sessions(limit: str | None = None, cursor: str | None = None) -> Response:
+        """Stored sessions, oldest first. With `limit`, one page: `has_more`, and `next_cursor` to
+        pass as `cursor` for the next. Without, every session, streamed. A session whose stored
+        rows cannot be read is listed with an `error` instead of its summary."""
+        page_size, after = _limit(limit), decode_cursor(cursor) if cursor is not None else None
+        if page_size is None:
+
+            async def everything() -> AsyncIterator[bytes]:
+                yield b'{"object":"list","data":['
+                first = True
+                async for stored in sessions.scan(after=after):
+                    yield (b"" if first else b",") + orjson.dumps(sessions.summary(stored))
+                    first = False
+                yield b'],"has_more":false,"next_cursor":null}'
+
+            return StreamingResponse(everything(), media_type="application/json")
+        listed: list[StoredSession] = []
+        async for stored in sessions.scan(after=after, page_size=page_size + 1):
+            listed.append(stored)
+            if len(listed) > page_size:
+                break
+        more = len(listed) > page_size
+        listed = listed[:page_size]
+        return json_response(
+            {
+                "object": "list",
+                "data": [sessions.summary(s) for s in listed],
+                "has_more": more,
+                "next_cursor": encode_cursor(listed[-1].key) if more else None,
+            }
+        )
 
     @app.post("/sessions", status_code=201)
     async def create_session(request: Request) -> dict[str, Any]:
@@ -102,12 +153,12 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         policy = _optional_str(data, "rewrite_policy")
         group_id = _optional_str(data, "group_id")
         metadata = _metadata(data)
-        if session_id is not None and sessions.exists(check_session_id(session_id)):
+        if session_id is not None and await sessions.exists(check_session_id(session_id)):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         reward = data.get("reward")
         if reward is not None:
             check_reward(reward, "reward")
-        session = sessions.open(session_id, check_policy(policy) if policy is not None else None)
+        session, _ = await sessions.open(session_id, check_policy(policy) if policy is not None else None)
         outcome = session.tree.outcome
         outcome.group_id, outcome.metadata = group_id, metadata
         if reward is not None:
@@ -117,14 +168,14 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
-        session = sessions.get(session_id)
+        session = await sessions.get(session_id)
         return {**session.summary(), "rewrite_events": [r.as_dict() for r in session.tree.rewrites]}
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
         """Set the episode's reward, and optionally per-branch (`branch_rewards`) and per-turn
         (`turn_rewards`) ones, keyed by the ids the export shows."""
-        session = sessions.get(session_id)
+        session = await sessions.get(session_id)
         data = await json_object(request)
         for key in ("branch_rewards", "turn_rewards"):
             if data.get(key) is not None and not isinstance(data[key], dict):
@@ -146,7 +197,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
         """Freeze the session: later turns get 409; rewards can still be set. An optional body
         `{"metadata": {...}}` is merged into the session's metadata."""
-        session = sessions.get(session_id)
+        session = await sessions.get(session_id)
         data = await json_object(request, optional=True)
         metadata = {**session.tree.outcome.metadata, **_metadata(data)}
         if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
@@ -162,7 +213,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/sessions/{session_id}/export")
     async def export(session_id: str, format: str | None = None, output: str = "json", texts: bool = False) -> Response:
         """One session. Without `format`: the native export; `texts=true` adds each token's text."""
-        tree = sessions.get(session_id).tree
+        tree = (await sessions.get(session_id)).tree
         if format is None:
             exported = export_session(tree)
             if texts:
@@ -190,18 +241,17 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise;
         outputs: json, jsonl, parquet), filtered by group, finished state, creation time and session
         id prefix."""
-        done = _flag(finished, "finished")
-        start, end = _time(since, "since"), _time(until, "until")
-        trees = [
-            s.tree
-            for s in sessions.all()
-            if (group_id is None or s.tree.outcome.group_id == group_id)
-            and (done is None or s.tree.outcome.finished == done)
-            and (start is None or s.tree.outcome.created_at >= start)
-            and (end is None or s.tree.outcome.created_at < end)
-            and (prefix is None or s.id.startswith(prefix))
-        ]
-        return _rows_response(trees, format, output)
+        where = SessionFilter(
+            group_id=group_id,
+            finished=_flag(finished, "finished"),
+            since=_time(since, "since"),
+            until=_time(until, "until"),
+            prefix=prefix,
+        )
+        fmt, out = check_format(format), _output(output)
+        skipped: list[StoredSession] = []
+        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped)
+        return StreamingResponse(encode_dataset(pages, fmt, out, skipped), media_type=MEDIA_TYPES[out])
 
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:

@@ -197,14 +197,14 @@ class MessageShaper:
         req: MessagesRequest,
         *,
         session_id: str,
-        prompt: list[int],
+        prompt: Sequence[int],
         token_text: Any,
         stopped_by: Any,
     ) -> None:
         self.req = req
         self.id = f"msg_{uuid.uuid4().hex}"
         self.session_id = session_id
-        self.prompt = prompt
+        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
         self._token_text = token_text  # token id -> (text, bytes)
         self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
         self._index = -1

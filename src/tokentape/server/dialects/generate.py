@@ -78,11 +78,11 @@ def sampling_params(sp: VLLMSampling, context_length: int, prompt_length: int) -
 
 
 class GenerateShaper:
-    def __init__(self, req: GenerateRequest, *, session_id: str, prompt: list[int]) -> None:
+    def __init__(self, req: GenerateRequest, *, session_id: str, prompt: Sequence[int]) -> None:
         self.req = req
         self.request_id = req.request_id or uuid.uuid4().hex
         self.session_id = session_id
-        self.prompt = prompt
+        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
 
     def logprobs(self, tokens: Sequence[SampledToken]) -> dict[str, Any] | None:
         top = self.req.sampling_params.logprobs

@@ -241,14 +241,14 @@ class ResponseShaper:
         req: ResponsesRequest,
         *,
         session_id: str,
-        prompt: list[int],
+        prompt: Sequence[int],
         token_text: Any,
     ) -> None:
         self.req = req
         self.id = _new_id("resp")
         self.created = time.time()
         self.session_id = session_id
-        self.prompt = prompt
+        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
         self._token_text = token_text  # token id -> (text, bytes) as the logprobs show it
         self._tools = req.tools or []
         self._sequence = 0

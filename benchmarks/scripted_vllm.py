@@ -1,0 +1,180 @@
+"""An instant scripted engine speaking vLLM's OpenAI wire format, for the overhead benchmark.
+
+A test instrument, not a model: every request gets the same few tokens back at once. It serves what
+each path under test calls: `/v1/completions` with a token-ID prompt (tokentape's vLLM adapter) and
+`/v1/chat/completions` (the peer gateway and the direct client), streamed or not, with vLLM's extra
+fields (`token_ids`, `prompt_token_ids`, logprobs). A raw ASGI app on orjson so that the engine's own
+cost stays small beside the gateways it is measured behind.
+
+    python benchmarks/scripted_vllm.py --port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+END_OF_TURN = 2  # SmolLM2's <|im_end|>: the gateway under test renders with the embedded tokenizer
+# SmolLM2 token IDs of common English words, so the text a gateway decodes is ordinary text
+WORDS = [(1032, " the"), (1607, " model"), (7468, " answers"), (314, " a"), (1745, " long"), (2024, " history")]
+CONTEXT = 131_072
+
+
+def _script(max_tokens: int) -> tuple[list[tuple[int, str, float]], str]:
+    """The reply: words up to `max_tokens - 1`, then the end-of-turn token (finish `stop`)."""
+    words = max(0, min(max_tokens, 16) - 1)
+    tokens = [(*WORDS[i % len(WORDS)], -0.25 - 0.01 * i) for i in range(words)]
+    if max_tokens > words:
+        return [*tokens, (END_OF_TURN, "", -0.05)], "stop"
+    return tokens, "length"
+
+
+async def _body(receive: Receive) -> dict[str, Any]:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    data: dict[str, Any] = orjson.loads(b"".join(chunks))
+    return data
+
+
+async def _json(send: Send, payload: object, status: int = 200) -> None:
+    body = orjson.dumps(payload)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _sse(send: Send, events: list[bytes]) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for event in events:
+        await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _chat_logprobs(tokens: list[tuple[int, str, float]]) -> dict[str, Any]:
+    return {
+        "content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []} for t, _, lp in tokens]
+    }
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    """Stand-in prompt token IDs for a chat request: one per four characters of content."""
+    size = sum(len(str(m.get("content") or "")) for m in body.get("messages", ()))
+    return list(range(1000, 1000 + max(1, size // 4)))
+
+
+async def chat(body: dict[str, Any], send: Send) -> None:
+    tokens, finish = _script(int(body.get("max_tokens") or 16))
+    text = "".join(word for _, word, _ in tokens)
+    base = {"id": "chatcmpl-scripted", "created": int(time.time()), "model": body.get("model", "scripted")}
+    prompt_ids = _prompt_ids(body)
+    if not body.get("stream"):
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": _chat_logprobs(tokens) if body.get("logprobs") else None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens), "total_tokens": 0}
+        payload = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+        if body.get("return_token_ids"):  # vLLM adds token IDs only when asked
+            choice["token_ids"] = [t for t, _, _ in tokens]
+            payload["prompt_token_ids"] = prompt_ids
+        await _json(send, payload)
+        return
+    events = []
+    for i, (token, word, logprob) in enumerate(tokens):
+        last = i == len(tokens) - 1
+        delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs([(token, word, logprob)]) if body.get("logprobs") else None,
+            "finish_reason": finish if last else None,
+        }
+        event: dict[str, Any] = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = [token]
+            if i == 0:
+                event["prompt_token_ids"] = prompt_ids
+        events.append(orjson.dumps(event))
+    await _sse(send, events)
+
+
+async def completions(body: dict[str, Any], send: Send) -> None:
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        await _json(send, {"object": "error", "message": "prompt must be token IDs", "code": 400}, 400)
+        return
+    tokens, finish = _script(int(body.get("max_tokens") or 16))
+    base = {"id": "cmpl-scripted", "object": "text_completion", "created": int(time.time()), "model": "scripted"}
+
+    def choice(part: list[tuple[int, str, float]], last: bool) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": "".join(word for _, word, _ in part),
+            "logprobs": {
+                "text_offset": [0] * len(part),
+                "token_logprobs": [lp for _, _, lp in part],
+                "tokens": [f"token_id:{t}" for t, _, _ in part],
+                "top_logprobs": [{f"token_id:{t}": lp} for t, _, lp in part],
+            },
+            "finish_reason": finish if last else None,
+            "stop_reason": None,
+            "token_ids": [t for t, _, _ in part],
+        }
+
+    if not body.get("stream"):
+        await _json(send, {**base, "choices": [{**choice(tokens, True), "prompt_token_ids": prompt}]})
+        return
+    events = [
+        orjson.dumps({**base, "choices": [choice([token], i == len(tokens) - 1)]}) for i, token in enumerate(tokens)
+    ]
+    await _sse(send, events)
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    path = scope["path"]
+    if path == "/health":
+        await _json(send, {})
+    elif path == "/v1/models":
+        await _json(send, {"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": CONTEXT}]})
+    elif path == "/v1/chat/completions":
+        await chat(await _body(receive), send)
+    elif path == "/v1/completions":
+        await completions(await _body(receive), send)
+    else:
+        await _json(send, {"object": "error", "message": f"no route {path}", "code": 404}, 404)
+
+
+if __name__ == "__main__":
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    # idle keep-alive connections stay open for the whole run, so no gateway's pool races a server-side close
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, timeout_keep_alive=600)

@@ -1,0 +1,47 @@
+"""`tokentape export` streams a gateway's dataset to a file: the same rows `GET /export` answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import MODEL_NAME
+from tests.support.fake_engines import serving
+from tokentape.cli import app as cli
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.server.app import create_app
+from tokentape.store.datasets import read_dataset
+from tokentape.store.sqlite import SqliteStore
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_export_writes_the_gateways_rows(
+    suffix: str, tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
+) -> None:
+    registry = SessionRegistry(store=SqliteStore(tmp_path / "store.sqlite3"))
+    with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
+        for session in ("e1", "e2", "e3"):
+            httpx.post(f"{url}/sessions", json={"session_id": session, "group_id": "g"}).raise_for_status()
+            body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": session}]}
+            response = httpx.post(f"{url}/sessions/{session}/v1/chat/completions", json={**body, "max_tokens": 3})
+            response.raise_for_status()
+        expected = httpx.get(f"{url}/export", params={"format": "verifiers"}).json()["data"]
+        out = tmp_path / "data" / f"batch{suffix}"
+        result = CliRunner().invoke(cli, ["export", str(out), "--url", url, "--format", "verifiers"])
+    assert result.exit_code == 0, result.output
+    assert f"{out}: 3 verifiers rows" in result.output
+    assert read_dataset(out) == expected and len(expected) == 3
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+def test_export_refuses_an_unknown_file_kind(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "batch.csv"), "--url", "http://127.0.0.1:9"])
+    assert result.exit_code == 1 and "a dataset file ends in .jsonl or .parquet" in result.output
+    assert not (tmp_path / "batch.csv").exists()
