@@ -122,16 +122,18 @@ class RemoteEngine:
                 keepalive_expiry=KEEPALIVE_EXPIRY,
             ),
         )
+        # Probes and aborts are rare and get a connection each, closed after use: an idle pooled one would
+        # sit in CLOSE_WAIT once the engine drops it, since a pool only notices that on its next use.
         self.probe = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=PROBE_TIMEOUT,
-            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_EXPIRY),
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=0),
         )
         # aborts and other short calls: never queued behind generations or in the way of health probes
         self.control = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=PROBE_TIMEOUT,
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4, keepalive_expiry=KEEPALIVE_EXPIRY),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=0),
         )
         self.in_flight = 0
         self.healthy = True
