@@ -159,18 +159,19 @@ class OwnerRouting:
                 yield part
             return
         named = session_of(request)
-        if named is None:
-            index = self.peers.self_index
-            if index is None:
-                index = await self.peers.least_loaded()
-        elif _valid(named):
+        if named is not None and _valid(named):
             index = await self.peers.owner(named)
-        else:  # any gateway answers a bad id with the same 400
-            index = self.peers.self_index if self.peers.self_index is not None else await self.peers.least_loaded()
+        else:  # a new one-call session, or a bad id that any gateway answers with the same 400
+            index = await self._nearest()
         async for part in self._at(index, request):
             yield part
         if named is not None and request.method == "DELETE" and request.path == f"/sessions/{named}":
             await self.peers.forget(named)
+
+    async def _nearest(self) -> int:
+        """This gateway; in the front, which owns none, the least-loaded one."""
+        index = self.peers.self_index
+        return index if index is not None else await self.peers.least_loaded()
 
     def _at(self, index: int, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         return self.local(request) if index == self.peers.self_index else self.peers.forward(index, request)
@@ -206,13 +207,12 @@ class OwnerRouting:
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("session_id", ""), str):
-            index = self.peers.self_index if self.peers.self_index is not None else await self.peers.least_loaded()
-            async for part in self._at(index, request):  # the gateway's own 400
+            async for part in self._at(await self._nearest(), request):  # the gateway's own 400
                 yield part
             return
         session_id = data.setdefault("session_id", f"s-{uuid.uuid4().hex}")
         if not _valid(session_id):
-            index = await self.peers.least_loaded()
+            index = await self._nearest()
         else:
             group = data.get("group_id")
             index = await self.peers.owner(session_id, group if isinstance(group, str) else None)
