@@ -39,6 +39,8 @@ async def test_each_adapter_keeps_the_tape_exact(pool: tuple[RunningServer, list
     server, states = pool
     model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
     assert model == "fake-model"
+    for _, state in states:  # slow enough that the three first turns are in flight together
+        state.delay = 0.01
     async with httpx.AsyncClient(base_url=server.base_url) as http:
         # three sessions at once: least-loaded placement spreads them over the three engines
         await asyncio.gather(*(five_turn_scenario(_client(server, f"x{i}"), model, http, f"x{i}") for i in range(3)))

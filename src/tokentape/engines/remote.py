@@ -3,9 +3,10 @@
 `input_ids`). Every adapter streams, so closing the generation closes the upstream request and the
 engine stops generating. Sampled token IDs and logprobs are read from the response, never from text.
 
-Connections: each engine gets one pool of keep-alive connections for generations, released on every
-way out of a request (finished, failed, cancelled), a small one for aborts, and one for health probes,
-so that a busy or wedged generation pool never makes a live engine look dead.
+Connections (aiohttp, `engines/http.py`): each engine gets one pool of keep-alive connections for
+generations, released on every way out of a request (finished, failed, cancelled), a small one for
+aborts, and one for health probes, so that a busy or wedged generation pool never makes a live engine
+look dead.
 
 Errors: a transport failure or a 5xx is `EngineFailure` (counts against the engine's health); a 4xx
 about this request is the request's error; anything the engine sends that its wire format does not
@@ -23,10 +24,12 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
-import httpx
+import aiohttp
+import orjson
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
+from tokentape.engines.http import ConnectionPool, lines
 from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
 
 __all__ = [
@@ -62,15 +65,6 @@ async def _run_to_completion(work: Awaitable[Any]) -> None:
     _cleanup.add(task)
     task.add_done_callback(_cleanup.discard)
     await asyncio.shield(task)
-
-
-def _close_abandoned(sending: asyncio.Task[httpx.Response]) -> None:
-    """Close the response of a send whose caller was cancelled (its failure, if any, is the caller's no more)."""
-    _cleanup.discard(sending)
-    if not sending.cancelled() and sending.exception() is None:
-        closing = asyncio.ensure_future(sending.result().aclose())
-        _cleanup.add(closing)
-        closing.add_done_callback(_cleanup.discard)
 
 
 def _quote(raw: object) -> str:
@@ -113,27 +107,23 @@ class RemoteEngine:
             )
         self.logprobs_mode = logprobs_mode or (self.logprobs_modes[0] if self.logprobs_modes else "")
         self.vocab_size: int | None = None  # set by whoever knows the tokenizer: IDs beyond it are faults
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT, pool=POOL_TIMEOUT),
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY,
+        self.http = ConnectionPool(
+            self.base_url,
+            limit=max_connections,
+            keepalive=KEEPALIVE_EXPIRY,
+            # `connect` covers waiting for a pooled connection too; `sock_read` is the longest silence
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=POOL_TIMEOUT, sock_connect=CONNECT_TIMEOUT, sock_read=timeout
             ),
         )
         # Probes and aborts are rare and get a connection each, closed after use: an idle pooled one would
         # sit in CLOSE_WAIT once the engine drops it, since a pool only notices that on its next use.
-        self.probe = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=PROBE_TIMEOUT,
-            limits=httpx.Limits(max_connections=2, max_keepalive_connections=0),
+        self.probe = ConnectionPool(
+            self.base_url, limit=2, keepalive=None, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT)
         )
         # aborts and other short calls: never queued behind generations or in the way of health probes
-        self.control = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=PROBE_TIMEOUT,
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=0),
+        self.control = ConnectionPool(
+            self.base_url, limit=16, keepalive=None, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT)
         )
         self.in_flight = 0
         self.healthy = True
@@ -143,18 +133,20 @@ class RemoteEngine:
     async def discover(self) -> None:
         """Ask the server which model it serves (and its context length, where it says)."""
         try:
-            models = (await self.probe.get("/v1/models")).json()["data"]
+            async with self.probe.session().get("/v1/models") as response:
+                models = orjson.loads(await response.read())["data"]
             if models:
                 self.model_id = str(models[0].get("id", self.model_id))
                 self.context_length = int(models[0].get("max_model_len") or self.context_length)
-        except (httpx.HTTPError, KeyError, ValueError, TypeError, AttributeError, IndexError):
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError, AttributeError, IndexError):
             return
 
     async def check_health(self) -> bool:
         """Probe `/health` on the probe's own connection, never through the generation pool."""
         try:
-            self.healthy = (await self.probe.get("/health")).status_code == 200
-        except httpx.HTTPError:
+            async with self.probe.session().get("/health") as response:
+                self.healthy = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             self.healthy = False
         return self.healthy
 
@@ -185,8 +177,8 @@ class RemoteEngine:
         }
 
     async def close(self) -> None:
-        for client in (self.http, self.control, self.probe):
-            await client.aclose()
+        for pool in (self.http, self.control, self.probe):
+            await pool.close()
 
     # -- pieces the dialects share -------------------------------------------------------------------
     def _check_constraint(self, constraint: Constraint | None) -> None:
@@ -205,7 +197,7 @@ class RemoteEngine:
         """The error a non-2xx answer stands for, with the engine's own words."""
         text = body.decode(errors="replace")
         try:
-            data = json.loads(body)
+            data = orjson.loads(body)
             error = data.get("error") if isinstance(data, dict) else None
             message = error.get("message") if isinstance(error, dict) else None
             message = message or (data.get("message") if isinstance(data, dict) else None) or error or text
@@ -227,32 +219,27 @@ class RemoteEngine:
         Before the `final` event (the one that says the generation finished) is yielded, the rest of
         the answer is read: the caller usually stops at that event's last token, and a response read
         to its end leaves its connection in the pool for the next request instead of closing it."""
-        headers = {SESSION_HEADER: _header_value(session_id)} if session_id else None
+        headers = {"Content-Type": "application/json"}
+        if session_id:
+            headers[SESSION_HEADER] = _header_value(session_id)
+        response = await self._send(path, orjson.dumps(body), headers)
+        complete = False
         try:
-            request = self.http.build_request("POST", path, json=body, headers=headers)
-        except (httpx.HTTPError, ValueError, TypeError) as exc:  # e.g. a header value httpx refuses
-            raise InvalidRequest(f"the request cannot be sent to the engine: {exc}") from exc
-        try:
-            response = await self._send(request)
-        except httpx.LocalProtocolError as exc:
-            raise InvalidRequest(f"the request cannot be sent to the engine: {exc}") from exc
-        except httpx.PoolTimeout as exc:
-            raise EngineFailure(f"no connection to the engine at {self.base_url} came free in time") from exc
-        except httpx.HTTPError as exc:
-            raise EngineFailure(f"the engine at {self.base_url} failed: {exc!r}") from exc
-        try:
-            if response.status_code >= 400:
-                raise self._error_from(response.status_code, await response.aread())
-            if response.headers.get("content-type", "").startswith("application/json"):
-                yield _json_object(await response.aread())
+            if response.status >= 400:
+                raise self._error_from(response.status, await response.read())
+            if response.content_type == "application/json":
+                event = _json_object(await response.read())
+                complete = True
+                yield event
                 return
-            lines = response.aiter_lines()
+            stream = lines(response)
             last: dict[str, Any] | None = None
-            async for line in lines:
-                if not line.startswith("data:"):
+            async for line in stream:
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, `event:`/`id:` fields
                 payload = line[5:].strip()
-                if payload == "[DONE]":
+                if payload == b"[DONE]":
+                    complete = True
                     return
                 event = _json_object(payload)
                 if "error" in event and not event.get("choices"):
@@ -261,34 +248,42 @@ class RemoteEngine:
                     last = event
                     break
                 yield event
+            else:
+                complete = True
             if last is not None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DRAIN_TIMEOUT):
-                        async for _ in lines:  # normally just `data: [DONE]`
+                        async for _ in stream:  # normally just `data: [DONE]`
                             pass
+                        complete = True
                 yield last
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineFailure(f"the engine at {self.base_url} failed mid-answer: {exc!r}") from exc
         finally:
-            await _run_to_completion(response.aclose())
+            # a response read to its end returns its connection to the pool; any other is closed, which
+            # is how the engine learns that nobody reads this generation any more
+            if complete:
+                response.release()
+            else:
+                response.close()
 
-    async def _send(self, request: httpx.Request) -> httpx.Response:
-        """Send and wait for the response head in a task of its own. httpcore leaks a pool slot (a
-        connection stuck before its first request, never reused, never closed) when a request is
-        cancelled while it takes or opens a connection; so a cancelled caller never interrupts it: the
-        send runs on, and its response is closed the moment it arrives."""
-        sending = asyncio.ensure_future(self.http.send(request, stream=True))
+    async def _send(self, path: str, data: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """POST and wait for the response head (a head that does not come in time is one stuck exchange)."""
         try:
-            return await asyncio.wait_for(asyncio.shield(sending), HEAD_TIMEOUT)
+            async with asyncio.timeout(HEAD_TIMEOUT):
+                return await self.http.session().post(path, data=data, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineFailure(f"the engine at {self.base_url} failed: {exc!r}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise EngineFailure(f"no connection to the engine at {self.base_url} came free in time") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineFailure(f"the engine at {self.base_url} failed: {exc!r}") from exc
         except TimeoutError:
-            sending.cancel()  # in its own task: a plain cancellation, which httpcore cleans up after
             failure = EngineFailure(f"the engine at {self.base_url} sent no answer within {HEAD_TIMEOUT:.0f} s")
             failure.engine_down = False  # one stuck exchange; the health probe judges the engine
             raise failure from None
-        except BaseException:  # also when the head arrived just as the caller was cancelled
-            _cleanup.add(sending)
-            sending.add_done_callback(_close_abandoned)
-            raise
+        except (ValueError, TypeError) as exc:  # e.g. a header value that HTTP does not allow
+            raise InvalidRequest(f"the request cannot be sent to the engine: {exc}") from exc
 
     def _stream_error(self, error: object) -> Exception:
         code = error.get("code") if isinstance(error, dict) else None
@@ -303,7 +298,7 @@ class RemoteEngine:
 
 def _json_object(raw: str | bytes) -> dict[str, Any]:
     try:
-        event = json.loads(raw)
+        event = orjson.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         event = None
     if not isinstance(event, dict):
@@ -623,8 +618,9 @@ class SGLangEngine(RemoteEngine):
 
     async def _abort(self, rid: str) -> None:
         try:
-            await self.control.post("/abort_request", json={"rid": rid})
-        except httpx.HTTPError:
+            async with self.control.session().post("/abort_request", json={"rid": rid}) as response:
+                await response.read()
+        except (aiohttp.ClientError, TimeoutError):
             return
 
 

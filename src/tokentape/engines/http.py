@@ -1,0 +1,79 @@
+"""HTTP to an engine: aiohttp connection pools and an event-stream line reader.
+
+aiohttp parses responses in C and keeps its pool consistent when a request is cancelled at any point
+(taking a connection, connecting, waiting for the head), so a generation needs no task of its own to
+stay leak-free; per request it costs a third of what httpx costs here (0.23 against 0.81 ms of CPU for
+a streamed 16-token answer, measured on loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+__all__ = ["ConnectionPool", "lines"]
+
+
+class ConnectionPool:
+    """One aiohttp session toward one engine, opened on first use in the running event loop (an
+    engine is often built before the loop that serves it exists) and opened again if that loop is
+    gone (tests, and callers that run one loop after another).
+
+    `keepalive` is how long an idle connection is kept; None closes every connection after its request
+    (probes and aborts: an idle kept one would sit in CLOSE_WAIT once the engine drops it)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        limit: int,
+        keepalive: float | None,
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self.base_url = base_url
+        self.limit = limit
+        self.keepalive = keepalive
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            if self.keepalive is None:
+                connector = aiohttp.TCPConnector(limit=self.limit, force_close=True)
+            else:
+                connector = aiohttp.TCPConnector(limit=self.limit, keepalive_timeout=self.keepalive)
+            self._session = aiohttp.ClientSession(
+                self.base_url, connector=connector, timeout=self.timeout, auto_decompress=False
+            )
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and not session.closed and self._loop is asyncio.get_running_loop():
+            await session.close()
+
+
+async def lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The body's lines, without their line ends, however long (a cumulative event can run to
+    megabytes) and however the bytes are split into chunks."""
+    parts: list[bytes] = []
+    async for chunk in response.content.iter_any():
+        if b"\n" not in chunk:
+            parts.append(chunk)
+            continue
+        if parts:
+            parts.append(chunk)
+            chunk = b"".join(parts)
+            parts.clear()
+        *complete, rest = chunk.split(b"\n")
+        for line in complete:
+            yield line[:-1] if line.endswith(b"\r") else line
+        if rest:
+            parts.append(rest)
+    if parts:
+        yield b"".join(parts)
