@@ -19,15 +19,13 @@ BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
 def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths the lean path answered."""
     seen: list[str] = []
-    real = hot_routes.HotRoutes._match
+    real = hot_routes.HotRoutes._answer
 
-    def spy(self: hot_routes.HotRoutes, path: str) -> object:
-        found = real(self, path)
-        if found is not None:
-            seen.append(path)
-        return found
+    async def spy(self: hot_routes.HotRoutes, scope: dict[str, object], *args: object) -> None:
+        seen.append(str(scope["path"]))
+        await real(self, scope, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(hot_routes.HotRoutes, "_match", spy)
+    monkeypatch.setattr(hot_routes.HotRoutes, "_answer", spy)
     return seen
 
 

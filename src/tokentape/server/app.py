@@ -15,6 +15,7 @@ from typing import Any
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Path, Request, Response
 from starlette.convertors import Convertor, register_url_convertor
+from starlette.types import Receive, Scope, Send
 
 from tokentape.core.messages import flatten_text_parts
 from tokentape.errors import InvalidRequest
@@ -33,7 +34,7 @@ from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from tokentape.server.serving import Serving
 from tokentape.server.sessions_api import add_session_routes, json_object
 
-__all__ = ["create_app"]
+__all__ = ["GatewayApp", "create_app"]
 
 
 async def _parse(request: Request, model: type[Any]) -> tuple[Any, dict[str, Any]]:
@@ -70,6 +71,20 @@ def _body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+class GatewayApp(FastAPI):
+    """FastAPI, with the generation routes answered on their lean path before its stack runs."""
+
+    lean: HotRoutes | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = self.lean.match(scope) if self.lean is not None else None
+        if found is None:
+            await super().__call__(scope, receive, send)
+        else:
+            assert self.lean is not None
+            await self.lean.serve(scope, receive, send, *found)
+
+
 def create_app(
     gateway: Gateway,
     *,
@@ -87,7 +102,7 @@ def create_app(
         if owns_gateway:
             await gateway.aclose()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
     )
     install_error_handlers(app)
@@ -96,11 +111,12 @@ def create_app(
     tool_format = gateway.renderer.tool_format
     chat = serving.route(OpenAIChat(tokenizer, tool_format))
     completions = serving.route(OpenAICompletions(tokenizer, tool_format))
-    # added first, so Guard (keys, limits) runs before it: the last middleware added is the outermost
-    app.add_middleware(
-        HotRoutes, routes={"/chat/completions": chat, "/completions": completions}, on_error=handle_error
-    )
     app.add_middleware(Guard, settings=guard or GuardSettings())
+    app.lean = HotRoutes(
+        {"/chat/completions": chat, "/completions": completions},
+        on_error=handle_error,
+        guard=Guard(None, guard or GuardSettings()),
+    )
 
     # -- OpenAI routes ----------------------------------------------------------------------------
     openai_routes = APIRouter()

@@ -1,9 +1,10 @@
-"""The generation routes, answered without FastAPI's routing and dependency layers.
+"""The generation routes' lean path: the app's front door for POSTs to them.
 
-On a short turn FastAPI's route matching (one regex per route), dependency solving and exception
-middleware cost a good part of the server's CPU per request. This pure ASGI middleware answers POSTs
-to the generation paths itself, with the same handlers and the same error mapping; FastAPI keeps those
-routes for the OpenAPI schema (and the fuzzing that reads it) and serves every other path.
+On a short turn, the ASGI layers in front of a FastAPI route (error and telemetry middleware, route
+matching by one regex per route, dependency solving) cost a good part of the server's CPU per
+request. The app hands these POSTs to `HotRoutes` before any of that runs: the same guard (keys,
+limits), the same handlers, the same error mapping. FastAPI keeps the routes for the OpenAPI schema
+(and the fuzzing that reads it) and serves every other path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+
+from tokentape.server.middleware import Guard, replaying
 
 __all__ = ["HotRoutes"]
 
@@ -26,26 +29,16 @@ class HotRoutes:
     """`routes` maps a path under `/v1` (e.g. `/chat/completions`) to its handler; the same paths
     under `/sessions/{session_id}/v1` reach it with `session_id` as a path parameter."""
 
-    def __init__(self, app: ASGIApp, routes: Mapping[str, Handler], on_error: ErrorHandler) -> None:
-        self.app = app
+    def __init__(self, routes: Mapping[str, Handler], on_error: ErrorHandler, guard: Guard) -> None:
         self.routes = dict(routes)
         self.on_error = on_error
+        self.guard = guard
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = self._match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if found is None:
-            await self.app(scope, receive, send)
-            return
-        handler, session_id = found
-        scope["path_params"] = {} if session_id is None else {"session_id": session_id}
-        request = Request(scope, receive, send)
-        try:
-            response = await handler(request)
-        except Exception as exc:  # mapped as FastAPI's exception handlers map it
-            response = await self.on_error(request, exc)
-        await response(scope, receive, send)
-
-    def _match(self, path: str) -> tuple[Handler, str | None] | None:
+    def match(self, scope: Scope) -> tuple[Handler, str | None] | None:
+        """The handler and base-URL session of a request this path answers, else None."""
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return None
+        path: str = scope["path"]
         session_id: str | None = None
         if path.startswith(_SESSIONS):
             session_id, _, path = path[len(_SESSIONS) :].partition("/")
@@ -56,3 +49,19 @@ class HotRoutes:
             return None
         handler = self.routes.get(path[3:])
         return None if handler is None else (handler, session_id)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None) -> None:
+        body = await self.guard.admit(scope, receive, send)
+        if body is not None:
+            await self._answer(scope, replaying(body, receive), send, handler, session_id)
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None
+    ) -> None:
+        scope["path_params"] = {} if session_id is None else {"session_id": session_id}
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except Exception as exc:  # mapped as FastAPI's exception handlers map it
+            response = await self.on_error(request, exc)
+        await response(scope, receive, send)

@@ -4,7 +4,7 @@ header and body size limits, and API keys. Each rejection is an OpenAI error obj
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -12,10 +12,10 @@ import orjson
 from tokentape.errors import TokentapeError
 from tokentape.server.errors import shape_for_path
 
-__all__ = ["Guard", "GuardSettings", "OPEN_PATHS"]
+__all__ = ["Guard", "GuardSettings", "OPEN_PATHS", "replaying"]
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
 
@@ -34,6 +34,9 @@ class GuardSettings:
 
 
 class Guard:
+    """Keys and limits for every route. `admit` is also called on its own by the generation routes'
+    lean path, which answers before this middleware's place in the stack."""
+
     def __init__(self, app: Any, settings: GuardSettings) -> None:
         self.app = app
         self.settings = settings
@@ -42,18 +45,26 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
-        if sum(len(k) + len(v) for k, v in headers) > self.settings.max_header_bytes:
+        body = await self.admit(scope, receive, send)
+        if body is None:
+            return
+        await self.app(scope, replaying(body, receive), send)
+
+    async def admit(self, scope: Scope, receive: Any, send: Any) -> bytes | None:
+        """The request's body, or None once a rejection (431, 401, 413) has been sent."""
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        settings = self.settings
+        if sum(len(k) + len(v) for k, v in headers) > settings.max_header_bytes:
             await _reject(
                 scope,
                 send,
                 431,
-                f"request headers exceed {self.settings.max_header_bytes} bytes",
+                f"request headers exceed {settings.max_header_bytes} bytes",
                 "headers",
                 "request_header_fields_too_large",
             )
-            return
-        if self.settings.api_keys and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
+            return None
+        if settings.api_keys and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
             await _reject(
                 scope,
                 send,
@@ -63,40 +74,20 @@ class Guard:
                 "invalid_api_key",
                 "authentication_error",
             )
-            return
+            return None
         declared = dict(headers).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            await _reject(
-                scope,
-                send,
-                413,
-                f"the request body exceeds {self.settings.max_body_bytes} bytes",
-                None,
-                "request_too_large",
-            )
-            return
-        body = await self._read_body(receive)
+        too_large = declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes
+        body = None if too_large else await self._read_body(receive)
         if body is None:
             await _reject(
                 scope,
                 send,
                 413,
-                f"the request body exceeds {self.settings.max_body_bytes} bytes",
+                f"the request body exceeds {settings.max_body_bytes} bytes",
                 None,
                 "request_too_large",
             )
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            message: Message = await receive()  # later: disconnects
-            return message
-
-        await self.app(scope, replay, send)
+        return body
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
         values = dict(headers)
@@ -111,10 +102,13 @@ class Guard:
     async def _read_body(self, receive: Any) -> bytes | None:
         """The whole body, or None past the limit. Bodies are small JSON; reading them here lets the
         limit hold for clients that send no content-length."""
+        message = await receive()
+        if not message.get("more_body", False):  # the usual request: one message
+            body: bytes = message.get("body", b"") if message["type"] == "http.request" else b""
+            return body if len(body) <= self.settings.max_body_bytes else None
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
             if message["type"] != "http.request":
                 return b"".join(chunks)
             chunk = message.get("body", b"")
@@ -124,6 +118,22 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+            message = await receive()
+
+
+def replaying(body: bytes, receive: Any) -> Any:
+    """A `receive` that gives the body already read, then whatever comes next (a disconnect)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: Message = await receive()
+        return message
+
+    return replay
 
 
 async def _reject(

@@ -128,7 +128,7 @@ class Serving:
         """Who the request is. Every session name it carries is checked. The base URL's session
         wins; a header or body name that differs from it is kept as the client's trace id. Without
         a base-URL session, a header and a body field that disagree are an error."""
-        key = hashlib.blake2b(request.url.path.encode() + b"\0" + body, digest_size=16).digest()
+        key = hashlib.blake2b(request.scope["path"].encode() + b"\0" + body, digest_size=16).digest()
         retry = _is_retry(request)
         in_path = _checked(request.path_params.get("session_id"))
         others = [name for name in (_checked(request.headers.get(SESSION_HEADER)), _checked(body_session)) if name]
@@ -187,25 +187,31 @@ async def _framed(
 
 async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
     """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
-    recorded as aborted with what was sampled)."""
+    recorded as aborted with what was sampled). The events are read in this task; a watcher task
+    cancels it on a disconnect."""
+    collecting = asyncio.current_task()
+    assert collecting is not None
+    left = False
 
-    async def collect() -> list[ChoiceDone]:
-        async with contextlib.aclosing(events) as stream:
-            return [event async for event in stream if isinstance(event, ChoiceDone)]
-
-    async def gone() -> None:
+    async def watch() -> None:
+        nonlocal left
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        left = True
+        collecting.cancel()
 
-    work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+    watcher = asyncio.create_task(watch())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # the client left, or this handler itself was cancelled: stop generating either way
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        return []
-    return work.result()
+        async with contextlib.aclosing(events) as stream:
+            choices = [event async for event in stream if isinstance(event, ChoiceDone)]
+    except asyncio.CancelledError:
+        if left:  # the client left: nobody reads the answer; the generation was closed above
+            collecting.uncancel()
+            return []
+        raise
+    finally:
+        # nothing suspends between the last event and here, so the watcher cannot cancel afterwards
+        watcher.cancel()
+    if left:  # a cancellation that some step below took as its own: take the request back
+        collecting.uncancel()
+    return choices

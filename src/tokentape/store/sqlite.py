@@ -21,6 +21,7 @@ be read (a turn whose parent is missing, a damaged blob) raises `StoreFailure` w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -29,7 +30,6 @@ import threading
 from array import array
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -331,28 +331,72 @@ class Write(Generic[T]):
     `StoreFailure`. The write is queued when this object is made, and awaiting is shielded: a
     cancelled awaiter stops waiting, the write still commits. Several tasks may await one write."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_job",)
 
-    def __init__(self, future: Future[T]) -> None:
-        self._future = future
+    def __init__(self, job: _Job) -> None:
+        self._job = job
 
     def __await__(self) -> Generator[Any, None, T]:
-        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()
+        return asyncio.shield(self._job.landing()).__await__()
 
     def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> T:
-        """Block until committed (for code outside an event loop)."""
-        return self._future.result(timeout)
+        return self._job.settled
 
 
-@dataclass(slots=True)
 class _Job:
-    apply: Callable[[sqlite3.Connection], Any]
-    future: Future[Any]
-    what: str  # names the job in errors
-    write: bool = True  # False: a read, run alone outside any transaction
+    """One unit of work for a store thread, and the hand-over of its result to whoever waits.
+
+    Made inside an event loop, the result lands on an asyncio future of that loop, set by one
+    `call_soon_threadsafe` per committed batch (cheaper than a concurrent future wrapped per await).
+    Made outside one, it lands on a concurrent future."""
+
+    __slots__ = ("apply", "future", "loop", "settled", "waiter", "what", "write")
+
+    def __init__(self, apply: Callable[[sqlite3.Connection], Any], what: str, write: bool = True) -> None:
+        self.apply = apply
+        self.what = what  # names the job in errors
+        self.write = write  # False: a read, run alone outside any transaction
+        self.settled = False
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        self.waiter: asyncio.Future[Any] | None = None if self.loop is None else self.loop.create_future()
+        self.future: Future[Any] | None = Future() if self.loop is None else None
+
+    def landing(self) -> asyncio.Future[Any]:
+        if self.waiter is not None:
+            return self.waiter
+        assert self.future is not None
+        return asyncio.wrap_future(self.future)
+
+
+def _land(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for waiter, value, error in outcomes:
+        if waiter.done():  # a read whose reader was cancelled
+            continue
+        if error is None:
+            waiter.set_result(value)
+        else:
+            waiter.set_exception(error)
+
+
+def _settle_all(settled: list[tuple[_Job, Any, BaseException | None]]) -> None:
+    """Hand results over: concurrent futures directly, each event loop's in one call."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
+    for job, value, error in settled:
+        job.settled = True
+        if job.future is not None:
+            if not job.future.done():
+                if error is None:
+                    job.future.set_result(value)
+                else:
+                    job.future.set_exception(error)
+        elif job.loop is not None and job.waiter is not None:
+            by_loop.setdefault(job.loop, []).append((job.waiter, value, error))
+    for loop, outcomes in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(_land, outcomes)
 
 
 _STOP = object()
@@ -419,25 +463,18 @@ class _Worker(threading.Thread):
                     self._commit(db, [job])
                 return
             self.batches += 1
-            _fail(batch[0], exc)
+            _settle_all([(batch[0], None, _failure(batch[0], exc))])
             return
         self.batches += 1
         self.committed += len(batch)
-        for job, value in zip(batch, values, strict=True):
-            _resolve(job.future, value)
+        _settle_all([(job, value, None) for job, value in zip(batch, values, strict=True)])
 
 
-def _resolve(future: Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _fail(job: _Job, exc: BaseException) -> None:
+def _failure(job: _Job, exc: BaseException) -> StoreFailure:
     failure = exc if isinstance(exc, StoreFailure) else StoreFailure(f"the store could not {job.what}: {exc}")
     if job.write:
         log.error("%s", failure.message)  # seen even when no one awaits the write
-    if not job.future.done():
-        job.future.set_exception(failure)
+    return failure
 
 
 def _settle(job: _Job, db: sqlite3.Connection) -> None:
@@ -445,9 +482,9 @@ def _settle(job: _Job, db: sqlite3.Connection) -> None:
     try:
         value = job.apply(db)
     except Exception as exc:
-        _fail(job, exc)
+        _settle_all([(job, None, _failure(job, exc))])
     else:
-        _resolve(job.future, value)
+        _settle_all([(job, value, None)])
 
 
 class SqliteStore:
@@ -506,20 +543,21 @@ class SqliteStore:
         """Jobs waiting for the writer thread (not counting the batch it is committing)."""
         return self._writer.jobs.qsize()
 
-    def _submit(self, worker: _Worker, apply: Callable[[sqlite3.Connection], T], what: str, write: bool) -> Future[T]:
-        future: Future[T] = Future()
+    def _submit(self, worker: _Worker, apply: Callable[[sqlite3.Connection], T], what: str, write: bool) -> _Job:
+        job = _Job(apply, what, write)
         with self._closing:
             if not self._closed:
-                worker.jobs.put(_Job(apply, future, what, write))
-                return future
-        future.set_exception(StoreFailure(f"the store could not {what}: it is closed"))
-        return future
+                worker.jobs.put(job)
+                return job
+        _settle_all([(job, None, StoreFailure(f"the store could not {what}: it is closed"))])
+        return job
 
     def _write(self, apply: Callable[[sqlite3.Connection], T], what: str) -> Write[T]:
         return Write(self._submit(self._writer, apply, what, write=True))
 
     async def _read(self, apply: Callable[[sqlite3.Connection], T], what: str) -> T:
-        return await asyncio.wrap_future(self._submit(self._reader, apply, what, write=False))
+        result: T = await self._submit(self._reader, apply, what, write=False).landing()
+        return result
 
     # -- writes: queued when called; await the returned Write for the commit -----------------------
     def save_turn(self, tree: SessionTree, node: TurnNode, request_key: bytes | None = None) -> Write[bool]:
@@ -587,9 +625,8 @@ class SqliteStore:
             if self._closed:
                 return
             self._closed = True
-            checkpoint: Future[None] = Future()
             self._writer.jobs.put(
-                _Job(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)"), checkpoint, "checkpoint", write=False)
+                _Job(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)"), "checkpoint", write=False)
             )
             self._writer.jobs.put(_STOP)
             if self._reader is not self._writer:
