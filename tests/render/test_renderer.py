@@ -7,6 +7,7 @@ prompt. The bridge must be exactly that continuation, minus what the engine alre
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from hypothesis import given, settings
@@ -102,3 +103,13 @@ def test_bridge_cost_does_not_depend_on_the_history(renderer: Renderer) -> None:
     a = renderer.bridge(short, 2, short[2], None, OPTIONS)
     b = renderer.bridge(long, len(long) - 2, long[-2], None, OPTIONS)
     assert a.tokens == b.tokens
+
+
+def test_gguf_encoding_matches_llama_cpp_pythons_own(tokenizer: GGUFTokenizer) -> None:
+    """`encode` calls llama.cpp directly; llama-cpp-python's wrapper is the independent reference."""
+    rng = random.Random(11)
+    pieces = [*"ab z\n\t", "<|im_start|>", "<|im_end|>", "é", "日本", "🙂", "\u200b", "<|", "  \n\n", "x" * 40]
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 40)))
+        reference = tokenizer._llama.tokenize(text.encode("utf-8", "surrogatepass"), add_bos=False, special=True)
+        assert tokenizer.encode(text) == reference, text

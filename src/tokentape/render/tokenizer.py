@@ -44,12 +44,24 @@ class GGUFTokenizer:
 
         self._llama = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
         vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
+        self._vocab = vocab
+        self._tokenize = llama_cpp.llama_tokenize
+        self._token_array = llama_cpp.llama_token
         self.vocab_size: int = self._llama.n_vocab()
         self.end_of_turn_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
         self.metadata: dict[str, str] = dict(self._llama.metadata)
 
     def encode(self, text: str) -> list[int]:
-        return self._llama.tokenize(text.encode("utf-8", "surrogatepass"), add_bos=False, special=True)
+        # llama.cpp's own call, with a buffer as long as the text can need (a token covers at least one
+        # byte): llama-cpp-python's wrapper tries a buffer of the training context first, which a
+        # vocabulary-only model reports as 0, so it tokenized every text twice
+        data = text.encode("utf-8", "surrogatepass")
+        room = len(data) + 2
+        tokens = (self._token_array * room)()
+        count = self._tokenize(self._vocab, data, len(data), tokens, room, False, True)
+        if count < 0:
+            raise RuntimeError(f"llama.cpp could not tokenize {len(data)} bytes (it needed {-count} tokens)")
+        return tokens[:count]
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, bounded cache
     def token_bytes(self, token_id: int) -> bytes:
