@@ -51,6 +51,31 @@ async def test_logprobs_come_with_token_ids_and_ranked_alternatives(sdk: openai.
         assert entry.logprob <= 0.0
 
 
+async def test_logprobs_only_when_asked_and_the_tape_keeps_them_either_way(
+    sdk: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    """As OpenAI answers: no `logprobs: true`, no logprobs in the response (streamed or not); token
+    IDs always; the tape records the sampled logprobs whether the client asked or not."""
+    plain = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=HI, max_tokens=6, temperature=0.7, extra_body={"session_id": "lp-off"}
+    )
+    assert plain.choices[0].logprobs is None
+    ids = (plain.choices[0].model_extra or {})["token_ids"]
+    assert len(ids) == plain.usage.completion_tokens  # type: ignore[union-attr]
+    chunks = await sdk.chat.completions.create(
+        model=MODEL_NAME, messages=HI, max_tokens=6, temperature=0.7, stream=True, extra_body={"session_id": "lp-s"}
+    )
+    streamed_ids: list[int] = []
+    async for chunk in chunks:
+        for choice in chunk.choices:
+            assert choice.logprobs is None
+            streamed_ids += (choice.model_extra or {})["token_ids"]
+    assert streamed_ids
+    (branch,) = (await _export(http, "lp-off"))["branches"]
+    sampled = [lp for lp, mask in zip(branch["logprobs"], branch["loss_mask"], strict=True) if mask]
+    assert len(sampled) == len(ids) and all(lp <= 0.0 for lp in sampled) and any(lp < 0.0 for lp in sampled)
+
+
 async def test_streaming_n_two_gives_each_choice_its_own_tokens(
     sdk: openai.AsyncOpenAI, http: httpx.AsyncClient
 ) -> None:

@@ -54,6 +54,7 @@ async def five_turn_scenario(client: openai.AsyncOpenAI, model: str, http: Any, 
             "messages": messages,
             "temperature": 0.8,
             "seed": turn,
+            "logprobs": True,
             "max_tokens": 3 if turn == 2 else 40,
         }
         call = await (_streamed_turn(client, **kwargs) if turn == 1 else _plain_turn(client, **kwargs))

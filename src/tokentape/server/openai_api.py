@@ -126,12 +126,12 @@ class OpenAIChat(_OpenAI):
         )
 
     def respond(self, req: ChatCompletionRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
-        return self._wire(req, started).chat_completion(choices, req.top_logprobs or 0)
+        return self._wire(req, started).chat_completion(choices, _top(req))
 
     async def stream(
         self, req: ChatCompletionRequest, started: Started, events: AsyncIterator[Event]
     ) -> AsyncIterator[bytes]:
-        wire, top = self._wire(req, started), req.top_logprobs or 0
+        wire, top = self._wire(req, started), _top(req)
         opened: set[int] = set()
         produced = 0
         async for event in events:
@@ -218,3 +218,9 @@ class OpenAICompletions(_OpenAI):
                 opened.add(event.index)
         if _include_usage(req):
             yield _sse(wire.usage_chunk(produced, "text_completion"))
+
+
+def _top(req: ChatCompletionRequest) -> int | None:
+    """How many alternatives each logprob entry lists; None: no logprobs, as OpenAI answers without
+    `logprobs: true` (token IDs are always there, and the tape keeps every logprob either way)."""
+    return (req.top_logprobs or 0) if req.logprobs else None

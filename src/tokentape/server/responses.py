@@ -69,7 +69,8 @@ class WireBuilder:
         }
 
     # -- chat ------------------------------------------------------------------------------------
-    def chat_completion(self, choices: Sequence[ChoiceDone], top: int) -> dict[str, Any]:
+    def chat_completion(self, choices: Sequence[ChoiceDone], top: int | None) -> dict[str, Any]:
+        """`top`: alternatives per logprob entry; None for no logprobs."""
         return {
             **self._head("chat.completion"),
             "choices": [
@@ -77,7 +78,7 @@ class WireBuilder:
                     "index": c.index,
                     "message": c.reply.message(),
                     "finish_reason": c.finish_reason,
-                    "logprobs": self.chat_logprobs(c.tokens, top),
+                    "logprobs": None if top is None else self.chat_logprobs(c.tokens, top),
                     "token_ids": [t.token_id for t in c.tokens],
                 }
                 for c in choices
@@ -95,7 +96,7 @@ class WireBuilder:
         reasoning: str | None = None,
         tool_calls: Sequence[dict[str, Any]] = (),
         tokens: Sequence[SampledToken] = (),
-        top: int = 0,
+        top: int | None = None,
         finish_reason: str | None = None,
         first: bool = False,
     ) -> dict[str, Any]:
@@ -114,7 +115,7 @@ class WireBuilder:
                 {
                     "index": index,
                     "delta": delta,
-                    "logprobs": self.chat_logprobs(tokens, top) if tokens else None,
+                    "logprobs": self.chat_logprobs(tokens, top) if tokens and top is not None else None,
                     "finish_reason": finish_reason,
                     "token_ids": [t.token_id for t in tokens],
                 }
