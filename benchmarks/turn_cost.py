@@ -132,6 +132,7 @@ def main() -> None:
             gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
             print(f"\nmodel: {name} (bridges from {'the anchor' if renderer.anchor_safe else 'the first message'})")
             print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
+            per_turn = []
             for length in args.lengths:
                 session_id = f"bench-{length}"
                 messages = build_history(gateway, session_id, length)
@@ -139,7 +140,11 @@ def main() -> None:
                 ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
                 theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
                 ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+                per_turn.append(ours_ms)
                 print(f"{actual:>15,} {ours_ms:>18.2f} {theirs_ms:>23.2f} {theirs_ms / ours_ms:>7.1f}x")
+            if len(per_turn) > 1:
+                growth = per_turn[-1] - per_turn[0]
+                print(f"longest vs shortest history: {per_turn[-1] / per_turn[0]:.2f}x per turn ({growth:+.2f} ms)")
 
 
 if __name__ == "__main__":
