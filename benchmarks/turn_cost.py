@@ -6,7 +6,7 @@ whole conversation with the chat template and tokenizes it again every turn. The
 scripted instant one, so the figures are the gateway's own work. CPU time (all threads), median of
 several turns at each length, after a few that are not counted: the history is recorded straight
 into the session, so the first turn finds no earlier request to compare with (as after a restart),
-and the next ones run slower for a while after the long build (caches warming up again).
+and the next few run slower after the long build.
 
     python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 9] [--warmup 8] [--models ...]
 
