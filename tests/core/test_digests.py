@@ -25,7 +25,9 @@ messages = st.one_of(
         }
     ),
     st.fixed_dictionaries({"role": st.just("user"), "content": st.just([{"type": "text", "text": "hi"}])}),
-    st.fixed_dictionaries({"role": st.just("user"), "content": texts, "weight": st.sampled_from([1, True, 1.0, 2**70])}),
+    st.fixed_dictionaries(
+        {"role": st.just("user"), "content": texts, "weight": st.sampled_from([1, True, 1.0, 2**70])}
+    ),
 )
 seeds = st.sampled_from([EMPTY_CHAIN, b"\x01" * 16])
 
