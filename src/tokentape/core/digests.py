@@ -5,18 +5,20 @@ make a turn's cost grow with the history, so a session remembers, for its latest
 hash after each message. A new request reuses the chain hashes of the messages it shares with a
 remembered request; only the messages after them are canonicalised and hashed (`messages.chain_step`).
 
-Finding what is shared costs one pass in C over the request, whatever its length: the request's
-messages are serialised once (`orjson.dumps` of the list) and a streaming xxh3-128 digest over those
-bytes is compared, at each remembered request's length, with that request's digest. A JSON object
-ends where its bytes say, so equal bytes up to there mean the same messages, serialised alike. A
-request that matches none of them (an edit deep in the history, a branch that is not remembered) is
-compared message by message through a fingerprint of each (`fingerprint`), in order.
+Finding what is shared costs one pass in C over the request: its messages are serialised once
+(`orjson.dumps` of the list) and a streaming xxh3-128 digest over those bytes is compared, at each
+remembered request's length, with that request's digest. A JSON object ends where its bytes say, so
+equal bytes up to there mean the same messages, serialised alike. A request that matches none of
+them (an edit deep in the history, a branch that is not remembered) is compared message by message
+through a fingerprint of each (`fingerprint`), in order.
 
-Digests and fingerprints are accelerators, not identity: keyed per process (Python's hash seed), so
-two messages or histories only share one when they serialise alike or collide by chance (about 2**-64
-for a fingerprint, 2**-128 for a digest). A message that differs in any way, even in a way the
-canonical form ignores, is simply hashed again. `start` is the chain's seed: the identity of
-everything besides the messages that the template reads; requests with another seed share nothing.
+Digests and fingerprints are accelerators, not identity: seeded per process (from Python's hash
+seed), so two messages or histories only share one when they serialise alike or collide by chance
+(about 2**-64 for a fingerprint, 2**-128 for a digest; xxh3 is not built against crafted collisions,
+and a client that crafted one would only mislabel its own session's history). A message that differs
+in any way, even in a way the canonical form ignores, is simply hashed again. `start` is the chain's
+seed: the identity of everything besides the messages that the template reads; requests with another
+seed share nothing.
 """
 
 from __future__ import annotations
