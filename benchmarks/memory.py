@@ -108,7 +108,7 @@ async def finished(total: int, turns: int) -> None:
                 async for event in gateway.chat(call):
                     content = getattr(getattr(event, "reply", None), "content", content)
                 messages.append({"role": "assistant", "content": content})
-            session = registry.get(f"f{done}")
+            session = await registry.get(f"f{done}")
             session.finish()
             await registry.persist(session)
             if done % 1000 == 0:

