@@ -32,8 +32,8 @@ async def _serve_in_pieces(body: bytes, cuts: list[int]) -> tuple[asyncio.Server
 
 async def test_lines_survive_any_cut() -> None:
     long_line = b"data: " + b"x" * 3_000_000  # beyond aiohttp's own readline limit
-    expected = [b"data: {\"a\": 1}", b"", long_line, b"", b": comment", b"data: [DONE]", b"", b"tail"]
-    body = b"data: {\"a\": 1}\r\n\r\n" + long_line + b"\n\n: comment\ndata: [DONE]\r\n\r\ntail"
+    expected = [b'data: {"a": 1}', b"", long_line, b"", b": comment", b"data: [DONE]", b"", b"tail"]
+    body = b'data: {"a": 1}\r\n\r\n' + long_line + b"\n\n: comment\ndata: [DONE]\r\n\r\ntail"
     rng = random.Random(7)
     for trial in range(12):
         # cut everywhere for the small part (between \r and \n included), at random in the long line
