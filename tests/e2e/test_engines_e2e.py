@@ -44,9 +44,17 @@ async def test_each_adapter_keeps_the_tape_exact(pool: tuple[RunningServer, list
     async with httpx.AsyncClient(base_url=server.base_url) as http:
         # three sessions at once: least-loaded placement spreads them over the three engines
         await asyncio.gather(*(five_turn_scenario(_client(server, f"x{i}"), model, http, f"x{i}") for i in range(3)))
+        exports = [(await http.get(f"/sessions/x{i}/export")).json() for i in range(3)]
     placements = [_engine_of(states, f"x{i}") for i in range(3)]
     assert all(len(p) == 1 for p in placements), placements  # every turn of a session on one engine
     assert sorted(p[0] for p in placements) == [0, 1, 2]
+    # what each engine was sent, as its own wire format names it, is the tape up to a turn's start
+    branches = [branch["tokens"] for export in exports for branch in export["branches"]]
+    for _, state in states:
+        for body in state.requests:
+            sent = body.get("prompt") or body.get("token_ids") or body.get("input_ids")
+            assert isinstance(sent, list) and sent and all(type(t) is int for t in sent)
+            assert any(tokens[: len(sent)] == sent and len(tokens) > len(sent) for tokens in branches)
 
 
 async def _turn(server: RunningServer, session: str, messages: list[Any]) -> dict[str, Any]:
