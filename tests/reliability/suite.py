@@ -218,16 +218,20 @@ async def kill_loop(
     if engine_url is not None:
         args += ["--engine", f"vllm={engine_url}", "--served-model-name", MODEL]
     acknowledged: dict[str, list[list[int]]] = {}  # session -> every acknowledged turn's prompt + tokens
-    histories: dict[str, list[dict[str, Any]]] = {f"k{i}": [] for i in range(sessions)}
+    # each of `sessions` agents extends one session until its context is full, then starts the next
+    current = {f"k{i}": f"k{i}" for i in range(sessions)}
+    histories: dict[str, list[dict[str, Any]]] = {name: [] for name in current.values()}
     extended_after_restart = 0
     requests_cut = 0
+    sessions_filled = 0
 
     answered = asyncio.Event()  # set by the first acknowledged turn of a cycle
 
-    async def episode(base: str, session: str) -> None:
-        nonlocal requests_cut
+    async def episode(base: str, agent: str) -> None:
+        nonlocal requests_cut, sessions_filled
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
             while True:
+                session = current[agent]
                 messages = [*histories[session], {"role": "user", "content": f"Step {len(histories[session])}"}]
                 body = {"model": MODEL, "messages": messages, "max_tokens": 4, "seed": rng.randrange(1 << 30)}
                 try:
@@ -235,6 +239,11 @@ async def kill_loop(
                 except httpx.HTTPError:
                     requests_cut += 1  # killed mid-request: not acknowledged
                     return
+                if response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded":
+                    sessions_filled += 1
+                    current[agent] = f"{agent}-{sessions_filled}"
+                    histories[current[agent]] = []
+                    continue
                 if response.status_code != 200:
                     return
                 data = response.json()
@@ -249,7 +258,7 @@ async def kill_loop(
         with running_server(args) as server:
             before = sum(len(v) for v in acknowledged.values())
             answered.clear()
-            work = [asyncio.create_task(episode(server.base_url, s)) for s in histories]
+            work = [asyncio.create_task(episode(server.base_url, agent)) for agent in current]
             # the kill comes at a random moment once traffic flows (a slow start is not a cycle without turns)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(answered.wait(), timeout=60)
@@ -280,6 +289,7 @@ async def kill_loop(
         "requests_cut_by_kill": requests_cut,
         "longest_history_tokens": max((len(ts[-1]) for ts in acknowledged.values()), default=0),
         "cycles_that_extended_sessions": extended_after_restart,
+        "sessions_filled_to_their_context": sessions_filled,
         "rewrites_after_restarts": rewrites,
     }
 
