@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -173,3 +175,24 @@ async def test_reads_rebuild_what_was_written(tmp_path: Path) -> None:
     ]
     assert await reopened.load("missing") is None and not await reopened.is_deleted("missing")
     reopened.close()
+
+
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+async def test_an_idle_writer_lets_the_caller_commit_a_lone_turn_but_never_a_disk_sync(
+    tmp_path: Path, synchronous: Literal["NORMAL", "FULL"]
+) -> None:
+    """At NORMAL a lone turn is committed on the event loop's thread (no hand-over to the writer and
+    back); at FULL, whose commit waits for the disk, always on the writer's. Seen from SQLite itself:
+    the thread each statement ran on."""
+    path = tmp_path / "store.sqlite3"
+    store = SqliteStore(path, synchronous=synchronous)
+    assert store._writer.db is not None
+    ran_on: list[int] = []
+    store._writer.db.set_trace_callback(lambda sql: ran_on.append(threading.get_ident()) if "INSERT" in sql else None)
+    tree = SessionTree("lone", created_at=1.0)
+    for i in range(3):
+        assert await store.save_turn(tree, _turn(tree, [i]))
+    here = threading.get_ident()
+    assert ran_on and (all(t == here for t in ran_on) if synchronous == "NORMAL" else here not in ran_on)
+    store.close()
+    assert _stored_turns(path) == {"lone": [0, 1, 2]}
