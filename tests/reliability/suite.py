@@ -400,7 +400,10 @@ async def retry_storm(server: RunningServer, *, requests: int, retries: int) -> 
             body = _chat(f"Question {i}", max_tokens=8)
             url = f"/sessions/retry-{i}/v1/chat/completions"
             first = asyncio.create_task(http.post(url, json=body))
-            await asyncio.sleep(0.01)
+            # as an SDK does, retry only once the first attempt is in the gateway (its session exists):
+            # a fixed pause let retries overtake their original when many were sent at once
+            while not first.done() and (await http.get(f"/sessions/retry-{i}")).status_code == 404:
+                await asyncio.sleep(0.005)
             again = [http.post(url, json=body, headers={"x-stainless-retry-count": str(k + 1)}) for k in range(retries)]
             answers = await asyncio.gather(first, *again)
             ids = {tuple(a.json()["choices"][0]["token_ids"]) for a in answers}
