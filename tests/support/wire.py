@@ -48,7 +48,7 @@ class Turn:
     logprobs: list[float] | None
 
 
-class _Tee2(httpx2.AsyncByteStream):
+class _Teeing:
     """A response body that copies each chunk into the record as the client reads it."""
 
     def __init__(self, stream: Any, record: Exchange) -> None:
@@ -63,17 +63,12 @@ class _Tee2(httpx2.AsyncByteStream):
         await self.stream.aclose()
 
 
-class _Tee(httpx.AsyncByteStream):
-    def __init__(self, stream: Any, record: Exchange) -> None:
-        self.stream, self.record = stream, record
+class _Tee2(_Teeing, httpx2.AsyncByteStream):
+    """For the openai SDK's HTTP client (httpx2)."""
 
-    async def __aiter__(self) -> Any:
-        async for chunk in self.stream:
-            self.record.body += chunk
-            yield chunk
 
-    async def aclose(self) -> None:
-        await self.stream.aclose()
+class _Tee(_Teeing, httpx.AsyncByteStream):
+    """For httpx clients."""
 
 
 class RecordingTransport(httpx2.AsyncBaseTransport):
