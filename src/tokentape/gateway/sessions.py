@@ -311,9 +311,7 @@ class SessionRegistry:
                 break
             if not session.in_flight:
                 victims.append(session.id)
-        for session_id in victims:
-            del self._sessions[session_id]
-        self.evicted += len(victims)
+        self._drop(victims)
 
     def evict_idle(self, now: float | None = None) -> int:
         """Drop sessions unused for `idle_seconds` (they stay in the store); the number dropped.
@@ -325,10 +323,14 @@ class SessionRegistry:
                 break
             if not session.in_flight:
                 victims.append(session.id)
+        self._drop(victims)
+        return len(victims)
+
+    def _drop(self, victims: list[str]) -> None:
+        """Forget these sessions in memory (the store keeps them)."""
         for session_id in victims:
             del self._sessions[session_id]
         self.evicted += len(victims)
-        return len(victims)
 
     def _arm_evictions(self) -> None:
         """Look for idle sessions every `evict_every` seconds, on the loop that serves them."""
