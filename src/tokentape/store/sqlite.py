@@ -374,12 +374,16 @@ class _Job:
 
 def _land(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
     for waiter, value, error in outcomes:
-        if waiter.done():  # a read whose reader was cancelled
-            continue
-        if error is None:
-            waiter.set_result(value)
-        else:
-            waiter.set_exception(error)
+        _set(waiter, value, error)
+
+
+def _set(future: asyncio.Future[Any] | Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # a read whose reader was cancelled
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 def _settle_all(settled: list[tuple[_Job, Any, BaseException | None]]) -> None:
@@ -388,11 +392,7 @@ def _settle_all(settled: list[tuple[_Job, Any, BaseException | None]]) -> None:
     for job, value, error in settled:
         job.settled = True
         if job.future is not None:
-            if not job.future.done():
-                if error is None:
-                    job.future.set_result(value)
-                else:
-                    job.future.set_exception(error)
+            _set(job.future, value, error)
         elif job.loop is not None and job.waiter is not None:
             by_loop.setdefault(job.loop, []).append((job.waiter, value, error))
     for loop, outcomes in by_loop.items():
