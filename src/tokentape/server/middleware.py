@@ -102,13 +102,10 @@ class Guard:
     async def _read_body(self, receive: Any) -> bytes | None:
         """The whole body, or None past the limit. Bodies are small JSON; reading them here lets the
         limit hold for clients that send no content-length."""
-        message = await receive()
-        if not message.get("more_body", False):  # the usual request: one message
-            body: bytes = message.get("body", b"") if message["type"] == "http.request" else b""
-            return body if len(body) <= self.settings.max_body_bytes else None
         chunks: list[bytes] = []
         size = 0
         while True:
+            message = await receive()
             if message["type"] != "http.request":
                 return b"".join(chunks)
             chunk = message.get("body", b"")
@@ -118,7 +115,6 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-            message = await receive()
 
 
 def replaying(body: bytes, receive: Any) -> Any:
