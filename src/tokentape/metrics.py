@@ -44,7 +44,7 @@ class GatewayMetrics:
         )
         self._first_token = Histogram(
             "tokentape_time_to_first_token_seconds",
-            "Engine call to the first sampled token",
+            "Engine call to the first sampled token, for requests that stream",
             buckets=ENGINE_BUCKETS,
             registry=r,
         )

@@ -5,6 +5,7 @@ resume with policy versions."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,20 +123,65 @@ async def test_pause_holds_and_resume_labels_the_policy_version(
         assert {r["session_id"]: r["policy_versions"] for r in rows}["q"] == ["7"]
 
 
-async def test_pause_with_abort_stops_running_generations(
+async def test_pause_with_abort_stops_running_streams(
     pool: tuple[RunningServer, list[tuple[str, FakeState]]],
 ) -> None:
     server, states = pool
     for _, state in states:
         state.delay = 0.2  # slow tokens: the generation is still running when the pause comes
-    running = asyncio.create_task(_turn(server, "a", [{"role": "user", "content": "Go"}]))
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "Go"}], "max_tokens": 20, "stream": True}
+
+    async def stream() -> tuple[list[int], list[str]]:
+        tokens, finishes = [], []
+        async with (
+            httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
+            http.stream("POST", "/sessions/a/v1/chat/completions", json=body) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        tokens += choice.get("token_ids") or []
+                        finishes += [choice["finish_reason"]] if choice.get("finish_reason") else []
+        return tokens, finishes
+
+    running = asyncio.create_task(stream())
     await asyncio.sleep(0.7)
     httpx.post(f"{server.base_url}/admin/pause", json={"abort": True})
-    reply = await asyncio.wait_for(running, timeout=10)
-    assert reply["choices"][0]["finish_reason"] == "abort"
+    tokens, finishes = await asyncio.wait_for(running, timeout=10)
+    assert finishes == ["abort"] and 0 < len(tokens) < 13  # cut before the script's 13 tokens
     httpx.post(f"{server.base_url}/admin/resume", json={})
     (branch,) = httpx.get(f"{server.base_url}/sessions/a/export").json()["branches"]
-    assert branch["finish_reasons"] == ["abort"] and sum(branch["loss_mask"]) == len(reply["choices"][0]["token_ids"])
+    assert branch["finish_reasons"] == ["abort"]
+    assert [t for t, m in zip(branch["tokens"], branch["loss_mask"], strict=True) if m] == tokens
+
+
+async def test_pause_with_abort_withdraws_unstreamed_answers_and_runs_them_again(
+    pool: tuple[RunningServer, list[tuple[str, FakeState]]],
+) -> None:
+    # a client that did not ask for a stream has seen nothing of its answer: it is not cut short, it
+    # waits for the new weights and gets a whole answer sampled by them
+    server, states = pool
+    for _, state in states:
+        state.delay = 0.2  # 13 tokens: 2.6 s an answer, so the pause comes while all three run
+    running = [asyncio.create_task(_turn(server, f"w{i}", [{"role": "user", "content": "Go"}])) for i in range(3)]
+    await asyncio.sleep(0.7)
+    # least-loaded placement put one on each engine: vLLM completions, vLLM's token route, SGLang
+    assert [len(state.requests) for _, state in states] == [1, 1, 1]
+    assert all(state.requests[0]["stream"] is False for _, state in states)  # each asked for one piece
+    assert httpx.post(f"{server.base_url}/admin/pause", json={"abort": True}).json()["paused"] is True
+    await asyncio.sleep(0.5)
+    assert not any(task.done() for task in running)  # held, not cut short
+    # vLLM's stand-ins count a client that left; SGLang's counts its /abort_request
+    assert [state.aborted for _, state in states] == [1, 1, 1]
+    httpx.post(f"{server.base_url}/admin/resume", json={"policy_version": 9})
+    replies = await asyncio.wait_for(asyncio.gather(*running), timeout=20)
+    assert [len(state.requests) for _, state in states] == [2, 2, 2]
+    for i, reply in enumerate(replies):
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        (branch,) = httpx.get(f"{server.base_url}/sessions/w{i}/export").json()["branches"]
+        assert branch["finish_reasons"] == ["stop"] and branch["policy_versions"] == ["9"]
+        sampled = [t for t, m in zip(branch["tokens"], branch["loss_mask"], strict=True) if m]
+        assert sampled == reply["choices"][0]["token_ids"] and len(sampled) == 13
 
 
 async def test_each_turn_records_its_engines_logprob_mode(

@@ -51,35 +51,49 @@ def remote(request: pytest.FixtureRequest) -> Iterator[tuple[RemoteEngine, FakeS
 
 
 async def _run(
-    engine: RemoteEngine, params: SamplingParams, seed: int | None = 3, session_id: str | None = "s-1"
+    engine: RemoteEngine,
+    params: SamplingParams,
+    seed: int | None = 3,
+    session_id: str | None = "s-1",
+    *,
+    whole: bool = False,
 ) -> list[tuple[int, float]]:
-    return [(t.token_id, t.logprob) async for t in engine.generate(PROMPT, params, seed=seed, session_id=session_id)]
+    stream = engine.generate(PROMPT, params, seed=seed, session_id=session_id, whole=whole)
+    return [(t.token_id, t.logprob) async for t in stream]
 
 
-async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEngine, FakeState]) -> None:
+# streamed, and in one answer (for a caller that reads only the result)
+WHOLE = pytest.mark.parametrize("whole", [False, True], ids=["streamed", "whole"])
+
+
+@WHOLE
+async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEngine, FakeState], whole: bool) -> None:
     engine, state = remote
     await engine.discover()
     assert (engine.model_id, engine.context_length) == ("fake-model", 4096)
-    got = await _run(engine, SamplingParams(max_tokens=100, temperature=0.7, top_logprobs=1, logprobs=True))
+    params = SamplingParams(max_tokens=100, temperature=0.7, top_logprobs=1, logprobs=True)
+    got = await _run(engine, params, whole=whole)
     assert got == script(PROMPT, 3)
     assert got[-1][0] == END_OF_TURN
     sent = state.requests[-1]
     assert state.session_headers[-1] == "s-1"
+    assert sent["stream"] is not whole
     if engine.kind == "sglang":
-        assert sent["input_ids"] == PROMPT and sent["return_logprob"] is True and sent["stream"] is True
+        assert sent["input_ids"] == PROMPT and sent["return_logprob"] is True
         assert sent["sampling_params"]["no_stop_trim"] is True
     elif engine.kind == "vllm":
-        assert sent["prompt"] == PROMPT and sent["return_token_ids"] is True and sent["stream"] is True
+        assert sent["prompt"] == PROMPT and sent["return_token_ids"] is True
         assert sent["seed"] == 3 and sent["temperature"] == 0.7
     else:
-        assert sent["token_ids"] == PROMPT and sent["stream"] is True and sent["sampling_params"]["logprobs"] >= 1
+        assert sent["token_ids"] == PROMPT and sent["sampling_params"]["logprobs"] >= 1
 
 
-async def test_top_logprobs_are_the_most_likely_best_first(remote: tuple[RemoteEngine, FakeState]) -> None:
+@WHOLE
+async def test_top_logprobs_are_the_most_likely_best_first(remote: tuple[RemoteEngine, FakeState], whole: bool) -> None:
     # vLLM lists the sampled token first whatever its rank; the adapter must report the k most likely
     engine, _ = remote
     params = SamplingParams(max_tokens=100, top_logprobs=3, logprobs=True)
-    tokens = [t async for t in engine.generate(PROMPT, params, seed=3)]
+    tokens = [t async for t in engine.generate(PROMPT, params, seed=3, whole=whole)]
     assert len(tokens) == len(script(PROMPT, 3))
     for token, (sampled, logprob) in zip(tokens, script(PROMPT, 3), strict=True):
         assert list(token.top_logprobs) == alternatives(sampled, logprob, 3)
@@ -87,25 +101,27 @@ async def test_top_logprobs_are_the_most_likely_best_first(remote: tuple[RemoteE
     assert any(t.top_logprobs[0][0] != t.token_id for t in tokens)
 
 
-async def test_truncation_and_stop_tokens(remote: tuple[RemoteEngine, FakeState]) -> None:
+@WHOLE
+async def test_truncation_and_stop_tokens(remote: tuple[RemoteEngine, FakeState], whole: bool) -> None:
     engine, _ = remote
-    truncated = await _run(engine, SamplingParams(max_tokens=4))
+    truncated = await _run(engine, SamplingParams(max_tokens=4), whole=whole)
     assert truncated == script(PROMPT, 3)[:4]
     stop_at = script(PROMPT, 3)[2][0]
-    stopped = await _run(engine, SamplingParams(max_tokens=100, stop_token_ids=(stop_at,)))
+    stopped = await _run(engine, SamplingParams(max_tokens=100, stop_token_ids=(stop_at,)), whole=whole)
     assert stopped == script(PROMPT, 3)[:3]  # the stop token was sampled: it is kept
 
 
-async def test_upstream_errors_map_to_the_error_tree(remote: tuple[RemoteEngine, FakeState]) -> None:
+@WHOLE
+async def test_upstream_errors_map_to_the_error_tree(remote: tuple[RemoteEngine, FakeState], whole: bool) -> None:
     engine, state = remote
     state.fail_next = 1
     with pytest.raises(EngineFailure) as failure:
-        await _run(engine, SamplingParams(max_tokens=4))
+        await _run(engine, SamplingParams(max_tokens=4), whole=whole)
     assert failure.value.engine_down and failure.value.status == 502
     assert "died" in failure.value.message  # the engine's words
     if engine.kind == "vllm":
         with pytest.raises(ContextOverflow):
-            await _run(engine, SamplingParams(max_tokens=5000))
+            await _run(engine, SamplingParams(max_tokens=5000), whole=whole)
 
 
 async def test_closing_early_aborts_upstream(remote: tuple[RemoteEngine, FakeState]) -> None:
@@ -120,6 +136,18 @@ async def test_closing_early_aborts_upstream(remote: tuple[RemoteEngine, FakeSta
             break
         await asyncio.sleep(0.05)
     assert state.aborted == 1
+    # an answer asked for in one piece: cancelled while the engine is still generating it
+    task = asyncio.ensure_future(_run(engine, SamplingParams(max_tokens=100), whole=True))
+    await asyncio.sleep(0.3)
+    assert state.requests[-1]["stream"] is False and not task.done()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if state.aborted == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert state.aborted == 2
 
 
 async def test_finished_generations_reuse_one_connection(remote: tuple[RemoteEngine, FakeState]) -> None:

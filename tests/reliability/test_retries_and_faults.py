@@ -12,7 +12,7 @@ import openai
 
 from tests.conftest import MODEL_NAME
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import SampledToken
+from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.errors import EngineFailure
 from tokentape.gateway.service import Gateway
@@ -96,7 +96,14 @@ class FlakyEngine:
         self.model_id, self.context_length, self.calls, self.token = "flaky", 4096, 0, vocab_token
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
         if self.calls == 1:

@@ -217,7 +217,8 @@ class Episode:
             session_id=self.session,
             parse_tool_calls=self.tools is not None,
         )
-        events = [event async for event in self.gateway.chat(call)]
+        # every other turn as a client that reads only the result: one delta, the same reply
+        events = [event async for event in self.gateway.chat(call, streamed=len(self.calls) % 2 == 0)]
         started, done = events[0], events[-1]
         assert isinstance(started, Started) and isinstance(done, ChoiceDone)
         ids = [t.token_id for t in done.tokens]

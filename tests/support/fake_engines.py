@@ -153,15 +153,16 @@ def vllm_app(state: FakeState) -> Starlette:
                 "token_ids": [token],
             }
 
-        def chunk(i: int, token: int, logprob: float) -> dict[str, Any]:
-            return {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": "fake-model",
-                "choices": [choice(token, logprob, i == len(tokens) - 1)],
-            }
+        def answer(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            head = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": "fake-model"}
+            return {**head, "choices": choices}
 
+        def chunk(i: int, token: int, logprob: float) -> dict[str, Any]:
+            return answer([choice(token, logprob, i == len(tokens) - 1)])
+
+        if not body.get("stream"):
+            whole = answer([_merged([choice(t, lp, i == len(tokens) - 1) for i, (t, lp) in enumerate(tokens)])])
+            return await _whole(state, request, whole, len(tokens))
         return _stream(state, [chunk(i, t, lp) for i, (t, lp) in enumerate(tokens)])
 
     async def generate(request: Request) -> Response:
@@ -202,13 +203,12 @@ def vllm_app(state: FakeState) -> Starlette:
                 for i, pair in enumerate(tokens)
             ]
             return _stream(state, events)
-        return JSONResponse(
-            {
-                "request_id": "gen-fake",
-                "choices": [choice(tokens, True)],
-                "usage": {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(tokens)},
-            }
-        )
+        whole = {
+            "request_id": "gen-fake",
+            "choices": [choice(tokens, True)],
+            "usage": {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(tokens)},
+        }
+        return await _whole(state, request, whole, len(tokens))
 
     return Starlette(
         exception_handlers=EXCEPTION_HANDLERS,
@@ -218,6 +218,46 @@ def vllm_app(state: FakeState) -> Starlette:
             Route("/inference/v1/generate", generate, methods=["POST"]),
         ],
     )
+
+
+def _merged(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One completions choice holding the tokens of per-token choices, as vLLM answers unstreamed."""
+    logprobs = [c["logprobs"] for c in choices]
+    tops = [top for lp in logprobs for top in (lp["top_logprobs"] or [])]
+    return {
+        **choices[-1],
+        "text": "".join(c["text"] for c in choices),
+        "token_ids": [t for c in choices for t in c["token_ids"]],
+        "logprobs": {
+            "text_offset": [0] * len(choices),
+            "token_logprobs": [v for lp in logprobs for v in lp["token_logprobs"]],
+            "tokens": [t for lp in logprobs for t in lp["tokens"]],
+            "top_logprobs": tops or None,
+        },
+    }
+
+
+async def _whole(
+    state: FakeState, request: Request, payload: dict[str, Any], tokens: int, *, disconnect_aborts: bool = True
+) -> Response:
+    """An unstreamed answer, after `state.delay` per token. vLLM aborts a request whose client went
+    away meanwhile (`disconnect_aborts`); SGLang waits for `/abort_request`."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(asyncio.sleep(state.delay * tokens))
+    watch = asyncio.ensure_future(gone())
+    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    work.cancel()
+    watch.cancel()
+    if watch.done() and not watch.cancelled():
+        if disconnect_aborts:
+            state.aborted += 1
+        return Response(status_code=499)
+    data = state.mangle(0, payload) if state.mangle else json.dumps(payload).encode()
+    return Response(data, media_type="application/json")
 
 
 def _stream(state: FakeState, events: list[dict[str, Any]], *, disconnect_aborts: bool = True) -> StreamingResponse:
@@ -280,6 +320,8 @@ def sglang_app(state: FakeState) -> Starlette:
                 },
             }
 
+        if not body.get("stream"):
+            return await _whole(state, request, chunk(len(tokens)), len(tokens), disconnect_aborts=False)
         # SGLang streams cumulative output: each event repeats what came before
         return _stream(state, [chunk(i) for i in range(1, len(tokens) + 1)], disconnect_aborts=False)
 

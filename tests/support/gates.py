@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Engine, SampledToken
+from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.errors import EngineFailure
 
 
@@ -25,6 +25,7 @@ class GatedEngine:
         self.gate.set()
         self.entered = asyncio.Event()  # a generation is waiting at (or went through) the gate
         self.calls = 0
+        self.wholes: list[bool] = []  # the `whole` of each generation asked for
 
     @property
     def model_id(self) -> str:
@@ -35,15 +36,26 @@ class GatedEngine:
         return self.inner.context_length
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, *, seed: int | None, session_id: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         self.calls += 1
+        self.wholes.append(whole)
         self.entered.set()
         await self.gate.wait()
         if self.fail:
             self.fail -= 1
             raise EngineFailure("the engine failed before its first token")
-        async for token in self.inner.generate(prompt, params, seed=seed, session_id=session_id):
+        stream = self.inner.generate(
+            prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
+        )
+        async for token in stream:
             yield token
 
     def describe(self) -> dict[str, Any]:

@@ -37,6 +37,8 @@ class StopStringFilter:
         self.stopped = False
 
     def feed(self, text: str) -> str:
+        if not self._stops:
+            return text
         if self.stopped:
             return ""
         buffer = self._held + text

@@ -73,10 +73,15 @@ class Engine(Protocol):
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         """Stream sampled tokens. Stops after an end-of-turn token or one of `params.stop_token_ids`
         (included in the stream), after `params.max_tokens`, or at the end of the context. An engine
-        that cannot honour `constraint` raises InvalidRequest before it generates anything."""
+        that cannot honour `constraint` raises InvalidRequest before it generates anything.
+
+        `whole`: the caller reads the tokens only once the generation is over, so an engine may fetch
+        them in one answer instead of a stream (a remote engine: one response instead of an event per
+        token). Closing the iterator still stops the generation. Engines that gain nothing ignore it."""
         ...
 
     def describe(self) -> dict[str, Any]:

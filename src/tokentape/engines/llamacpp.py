@@ -85,6 +85,7 @@ class LlamaCppEngine:
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         if not prompt:
             raise EngineFailure("empty prompt")

@@ -1,7 +1,9 @@
 """Remote engines over HTTP, token IDs in and out: vLLM (`/v1/completions` with a token-ID prompt and
 `return_token_ids`, or its `/inference/v1/generate` token endpoint) and SGLang (`/generate` with
 `input_ids`). Every adapter streams, so closing the generation closes the upstream request and the
-engine stops generating. Sampled token IDs and logprobs are read from the response, never from text.
+engine stops generating; a caller that reads only the result (`whole`) gets the answer in one piece,
+and closing it still closes the request, which vLLM and SGLang also take as an abort (SGLang is sent
+`/abort_request` as well). Sampled token IDs and logprobs are read from the response, never from text.
 
 Connections (aiohttp, `engines/http.py`): each engine gets one pool of keep-alive connections for
 generations, released on every way out of a request (finished, failed, cancelled), a small one for
@@ -163,6 +165,7 @@ class RemoteEngine:
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         raise NotImplementedError  # each wire dialect below
 
@@ -213,7 +216,11 @@ class RemoteEngine:
         return EngineFailure(f"the engine answered {status}: {words}")
 
     async def _events(
-        self, path: str, body: dict[str, Any], session_id: str | None, final: Callable[[dict[str, Any]], bool]
+        self,
+        path: str,
+        body: dict[str, Any],
+        session_id: str | None,
+        final: Callable[[dict[str, Any]], bool],
     ) -> AsyncGenerator[dict[str, Any], None]:
         """POST `body` and yield each JSON event of the answer: the `data:` lines of an event stream, or
         the whole body when the server answered plain JSON. The response is closed on every way out.
@@ -224,7 +231,9 @@ class RemoteEngine:
         headers = {"Content-Type": "application/json"}
         if session_id:
             headers[SESSION_HEADER] = _header_value(session_id)
-        response = await self._send(path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers)
+        # a streamed answer starts at once; an answer in one piece comes when the generation is over
+        head_timeout = HEAD_TIMEOUT if body.get("stream") else None
+        response = await self._send(path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers, head_timeout)
         complete = False
         try:
             if response.status >= 400:
@@ -269,10 +278,12 @@ class RemoteEngine:
             else:
                 response.close()
 
-    async def _send(self, path: str, data: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    async def _send(
+        self, path: str, data: bytes, headers: dict[str, str], head_timeout: float | None
+    ) -> aiohttp.ClientResponse:
         """POST and wait for the response head (a head that does not come in time is one stuck exchange)."""
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT):
+            async with asyncio.timeout(head_timeout):
                 return await self.http.session().post(path, data=data, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             raise EngineFailure(f"the engine at {self.base_url} failed: {exc!r}") from exc
@@ -281,7 +292,7 @@ class RemoteEngine:
         except aiohttp.ClientError as exc:
             raise EngineFailure(f"the engine at {self.base_url} failed: {exc!r}") from exc
         except TimeoutError:
-            failure = EngineFailure(f"the engine at {self.base_url} sent no answer within {HEAD_TIMEOUT:.0f} s")
+            failure = EngineFailure(f"the engine at {self.base_url} sent no answer within {head_timeout:.0f} s")
             failure.engine_down = False  # one stuck exchange; the health probe judges the engine
             raise failure from None
         except (ValueError, TypeError) as exc:  # e.g. a header value that HTTP does not allow
@@ -385,13 +396,18 @@ class VLLMEngine(RemoteEngine):
         return logprob_mode(params, scaled=False)
 
     def _body(
-        self, prompt: Sequence[int], params: SamplingParams, seed: int | None, constraint: Constraint | None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        constraint: Constraint | None,
+        whole: bool,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model_id,
             "prompt": _wire_ids(prompt),
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
-            "stream": True,
+            "stream": not whole,
             "logprobs": params.top_logprobs,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
@@ -410,10 +426,13 @@ class VLLMEngine(RemoteEngine):
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)
         mode = self.logprob_mode(params)
-        events = self._events(self.path, self._body(prompt, params, seed, constraint), session_id, _choice_finished)
+        events = self._events(
+            self.path, self._body(prompt, params, seed, constraint, whole), session_id, _choice_finished
+        )
         try:
             async for event in events:
                 for token in self._tokens(event, params, mode):
@@ -479,7 +498,12 @@ class VLLMGenerateEngine(VLLMEngine):
     path = "/inference/v1/generate"
 
     def _body(
-        self, prompt: Sequence[int], params: SamplingParams, seed: int | None, constraint: Constraint | None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        constraint: Constraint | None,
+        whole: bool,
     ) -> dict[str, Any]:
         sampling: dict[str, Any] = {
             **_sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
@@ -496,7 +520,7 @@ class VLLMGenerateEngine(VLLMEngine):
             "request_id": uuid.uuid4().hex,
             "token_ids": _wire_ids(prompt),
             "sampling_params": sampling,
-            "stream": True,
+            "stream": not whole,
         }
 
     def _tokens(self, event: dict[str, Any], params: SamplingParams, mode: LogprobMode) -> list[SampledToken]:
@@ -558,6 +582,7 @@ class SGLangEngine(RemoteEngine):
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)
         mode = self.logprob_mode(params)
@@ -577,7 +602,7 @@ class SGLangEngine(RemoteEngine):
             "sampling_params": sampling,
             "return_logprob": True,
             "top_logprobs_num": params.top_logprobs,
-            "stream": True,
+            "stream": not whole,
             "rid": rid,
         }
         seen = 0

@@ -129,6 +129,7 @@ class Router:
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         if not any(self._usable(e) for e in self.engines):
             await self._reprobe()
@@ -138,7 +139,9 @@ class Router:
             async with self._slot(engine):
                 produced = 0
                 try:
-                    stream = engine.generate(prompt, params, seed=seed, session_id=session_id, constraint=constraint)
+                    stream = engine.generate(
+                        prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
+                    )
                     async with contextlib.aclosing(stream):
                         async for token in stream:
                             produced += 1

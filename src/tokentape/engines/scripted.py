@@ -41,6 +41,7 @@ class ScriptedEngine:
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         if constraint is not None:  # it plays an engine without constrained decoding
             raise InvalidRequest("the scripted engine cannot constrain its output", param="response_format")

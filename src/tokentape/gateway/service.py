@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
-from tokentape.core.tape import path_tokens
+from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
@@ -81,6 +82,7 @@ class Gateway:
         self._abort_epoch = 0  # bumped by pause(abort=True): generations started before it stop
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
+        self._awaiting_whole: set[ChoiceRun] = set()  # generations waiting for an answer in one piece
         self._started = False
         self.metrics = GatewayMetrics()
         self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
@@ -148,10 +150,14 @@ class Gateway:
 
     def pause(self, *, abort: bool) -> None:
         """Hold new generations (their requests wait, they are not rejected); with `abort`, also stop
-        the running ones at their next token (recorded with finish reason "abort")."""
+        the running ones at their next token (recorded with finish reason "abort"). A generation
+        waiting for its answer in one piece has shown nothing yet: it is withdrawn and waits too
+        (runs again, streamed from the engine, once resumed)."""
         self._running.clear()
         if abort:
             self._abort_epoch += 1
+            for run in list(self._awaiting_whole):
+                run.withdraw()
 
     def resume(self, policy_version: str | None) -> None:
         """Release held generations; what they sample is recorded under `policy_version`."""
@@ -160,24 +166,25 @@ class Gateway:
         self._running.set()
 
     # -- requests --------------------------------------------------------------------------------------
-    def run(self, call: Call) -> AsyncGenerator[Event, None]:
-        """Stream the events of one request: `Started`, then per choice its deltas and `ChoiceDone`."""
-        return self.chat(call) if isinstance(call, ChatCall) else self.complete(call)
+    def run(self, call: Call, *, streamed: bool = True) -> AsyncGenerator[Event, None]:
+        """Stream the events of one request: `Started`, then per choice its deltas and `ChoiceDone`.
+        `streamed=False`: the caller reads only the result; each choice then has a single delta."""
+        return self.chat(call, streamed) if isinstance(call, ChatCall) else self.complete(call, streamed)
 
-    async def chat(self, call: ChatCall) -> AsyncGenerator[Event, None]:
+    async def chat(self, call: ChatCall, streamed: bool = True) -> AsyncGenerator[Event, None]:
         match = None
         if call.session_id is None and self.sessions.match_prefix:  # the one live session it extends, if any
             match = self.sessions.match(call.messages)
             call = dataclasses.replace(call, session_id=match.session_id)
-        async for event in self._serve(call, None):
+        async for event in self._serve(call, None, streamed):
             yield dataclasses.replace(event, prefix_match=match) if match and isinstance(event, Started) else event
 
-    async def complete(self, call: CompletionCall) -> AsyncGenerator[Event, None]:
+    async def complete(self, call: CompletionCall, streamed: bool = True) -> AsyncGenerator[Event, None]:
         prompt = await self.planner.completion_prompt(call.prompt)  # bad prompts fail before a session opens
-        async for event in self._serve(call, prompt):
+        async for event in self._serve(call, prompt, streamed):
             yield event
 
-    async def _serve(self, call: Call, completion_prompt: list[int] | None) -> AsyncIterator[Event]:
+    async def _serve(self, call: Call, completion_prompt: list[int] | None, streamed: bool) -> AsyncIterator[Event]:
         async with await self._ticket(call) as ticket:
             session = ticket.session
             if call.retry:
@@ -200,7 +207,7 @@ class Gateway:
             session.requests += 1
             constraint = call.constraint if isinstance(call, ChatCall) else None
             choices = [
-                self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id)
+                self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id, streamed)
                 for index in range(call.sampling.n)
             ]
             async with contextlib.aclosing(choices[0]) as first:
@@ -287,59 +294,82 @@ class Gateway:
         index: int,
         constraint: Constraint | None,
         trace_id: str | None,
+        streamed: bool,
     ) -> AsyncGenerator[Event, None]:
         session: Session = ticket.session
-        await self._running.wait()  # a weight update is in progress: wait, do not fail
-        epoch, version = self._abort_epoch, self.policy_version
-        run = ChoiceRun(
-            self.engine,
-            self.renderer.tokenizer,
-            index,
-            plan.prompt,
-            sampling,
-            mode=plan.reply_mode,
-            stop_ids=self._end_of_turn,
-            session_id=session.id,
-            interrupted=lambda: self._abort_epoch != epoch,
-            on_engine_call=self._count_engine_call,
-            constraint=constraint,
-        )
-        write: asyncio.Task[None] | None = None
-        try:
-            async for delta in run.stream():
-                yield delta
-        finally:
-            self._observe_generation(run)
-            # Record even a cut-short generation: every sampled token stays on the tape.
-            # Not what a failed engine answer sent before it failed: that is not trusted.
-            if (run.tokens or run.completed) and not run.engine_fault:
-                rewrites = len(session.tree.rewrites)
-                node = session.tree.attach(
-                    plan.turn,
-                    sampled=[t.token_id for t in run.tokens],
-                    logprobs=[t.logprob for t in run.tokens],
-                    finish_reason=run.finish,
-                    prompt_chain=plan.prompt_chain,
-                    prompt_length=plan.prompt_length,
-                    reply=run.partial_reply().message(),
-                    request_key=ticket.key,
-                    request=ticket.request,
-                    trace_id=trace_id,
-                    policy_version=version,
-                    logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
-                    template_inputs=plan.template_inputs,
-                    constrained=constraint is not None,
-                )
-                write = ticket.write(node)
-                self.metrics.turn_recorded(
-                    prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish
-                )
-                for rewrite in session.tree.rewrites[rewrites:]:
-                    self.metrics.rewrite(rewrite.kind)
-        assert write is not None  # a generation that ended normally was recorded above
+        withdrawn = False
+        while True:
+            await self._running.wait()  # a weight update is in progress: wait, do not fail
+            epoch, version = self._abort_epoch, self.policy_version
+            run = ChoiceRun(
+                self.engine,
+                self.renderer.tokenizer,
+                index,
+                plan.prompt,
+                sampling,
+                mode=plan.reply_mode,
+                stop_ids=self._end_of_turn,
+                session_id=session.id,
+                interrupted=functools.partial(self._aborted_since, epoch),
+                on_engine_call=self._count_engine_call,
+                constraint=constraint,
+                streamed=streamed,
+                may_fetch_whole=not withdrawn,  # once withdrawn, streamed: a second update cuts it
+                awaiting_whole=self._awaiting_whole,
+            )
+            try:
+                async for delta in run.stream():
+                    yield delta
+            finally:
+                self._observe_generation(run)
+                # Record even a cut-short generation: every sampled token stays on the tape.
+                # Not what a failed engine answer sent before it failed: that is not trusted.
+                if (run.tokens or run.completed) and not run.engine_fault:
+                    node = self._record(ticket, plan, run, constraint, trace_id, version)
+                    write = ticket.write(node)
+            if not run.withdrawn:  # withdrawn: nothing came; it runs again once generation resumes
+                break
+            withdrawn = True
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
         yield ChoiceDone(index, run.reply, run.text, run.tokens, run.finish, node.id)
+
+    def _record(
+        self,
+        ticket: Ticket,
+        plan: Plan,
+        run: ChoiceRun,
+        constraint: Constraint | None,
+        trace_id: str | None,
+        version: str | None,
+    ) -> TurnNode:
+        session = ticket.session
+        rewrites = len(session.tree.rewrites)
+        node = session.tree.attach(
+            plan.turn,
+            sampled=[t.token_id for t in run.tokens],
+            logprobs=[t.logprob for t in run.tokens],
+            finish_reason=run.finish,
+            prompt_chain=plan.prompt_chain,
+            prompt_length=plan.prompt_length,
+            reply=run.partial_reply().message(),
+            request_key=ticket.key,
+            request=ticket.request,
+            trace_id=trace_id,
+            policy_version=version,
+            logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
+            template_inputs=plan.template_inputs,
+            constrained=constraint is not None,
+        )
+        self.metrics.turn_recorded(
+            prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish
+        )
+        for rewrite in session.tree.rewrites[rewrites:]:
+            self.metrics.rewrite(rewrite.kind)
+        return node
+
+    def _aborted_since(self, epoch: int) -> bool:
+        return self._abort_epoch != epoch
 
     def _count_engine_call(self) -> None:
         self.engine_calls += 1

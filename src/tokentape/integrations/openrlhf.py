@@ -129,6 +129,7 @@ class VLLMEngine:
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         if constraint is not None:
             raise InvalidRequest("the trainer's engine is not asked for constrained output", param="response_format")

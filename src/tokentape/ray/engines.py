@@ -111,6 +111,7 @@ class ActorEngine(RemoteEngine):
         seed: int | None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        whole: bool = False,
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)  # engine actors take no constraint yet: a clear 400
         stream: Any = self.actor.generate.remote(list(prompt), params, seed, session_id)

@@ -111,12 +111,13 @@ class Serving:
                 raise invalid_from_validation(exc) from exc
             self.check_model(dialect.model_field(req))
             origin = self.origin(request, dialect.session_field(req), await request.body())
-            events = self.gateway.run(dialect.call(req, raw, origin))
+            streams = dialect.streams(req)
+            events = self.gateway.run(dialect.call(req, raw, origin), streamed=streams)
             started = await _first(events)
             headers = {"X-Session-ID": started.session_id}
             if started.prefix_match is not None:
                 headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
-            if not dialect.streams(req):
+            if not streams:
                 choices = await _until_done_or_gone(request, events)
                 return json_response(dialect.respond(req, started, choices), headers=headers)
             body = _framed(dialect, dialect.stream(req, started, events), events)
