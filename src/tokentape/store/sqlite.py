@@ -181,15 +181,13 @@ def _turn_row(session_id: str, node: TurnNode, request_key: bytes | None) -> tup
 
 # -- jobs that run in the writer's transaction -----------------------------------------------------
 def _upsert_session(db: sqlite3.Connection, row: SessionRow) -> bool:
-    found = db.execute("SELECT deleted FROM sessions WHERE id = ?", (row[0],)).fetchone()
-    if found is not None and found[0]:
-        return False
-    db.execute(
+    """Insert or update the session's row; False (nothing written) if the session was deleted."""
+    written = db.execute(
         "INSERT INTO sessions (id, policy, created_at, outcome) VALUES (?, ?, ?, ?) "
-        "ON CONFLICT(id) DO UPDATE SET policy = excluded.policy, outcome = excluded.outcome",
+        "ON CONFLICT(id) DO UPDATE SET policy = excluded.policy, outcome = excluded.outcome WHERE deleted = 0",
         row,
     )
-    return True
+    return written.rowcount > 0
 
 
 def _write_turn(session: SessionRow, turn: tuple[Any, ...]) -> Callable[[sqlite3.Connection], bool]:
