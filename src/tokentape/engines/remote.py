@@ -1,9 +1,9 @@
 """Remote engines over HTTP, token IDs in and out: vLLM (`/v1/completions` with a token-ID prompt and
 `return_token_ids`, or its `/inference/v1/generate` token endpoint) and SGLang (`/generate` with
-`input_ids`). Every adapter streams, so closing the generation closes the upstream request and the
-engine stops generating; a caller that reads only the result (`whole`) gets the answer in one piece,
-and closing it still closes the request, which vLLM and SGLang also take as an abort (SGLang is sent
-`/abort_request` as well). Sampled token IDs and logprobs are read from the response, never from text.
+`input_ids`). Answers are streamed, so closing the generation closes the upstream request and the
+engine stops generating; for a caller that reads only the result (`whole`) the answer comes in one
+piece, and closing that still closes the request, which vLLM and SGLang take as an abort (SGLang is
+sent `/abort_request` as well). Sampled token IDs and logprobs are read from the response, never from text.
 
 Connections (aiohttp, `engines/http.py`): each engine gets one pool of keep-alive connections for
 generations, released on every way out of a request (finished, failed, cancelled), a small one for
