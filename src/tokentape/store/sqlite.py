@@ -356,10 +356,7 @@ class _Job:
         self.what = what  # names the job in errors
         self.write = write  # False: a read, run alone outside any transaction
         self.settled = False
-        try:
-            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
+        self.loop = _running_loop()
         self.waiter: asyncio.Future[Any] | None = None if self.loop is None else self.loop.create_future()
         self.future: Future[Any] | None = Future() if self.loop is None else None
 
