@@ -58,6 +58,17 @@ def test_cached_chains_equal_hashing_every_message(series: list[tuple[list[dict[
         assert cache.chains(request, seed) == list(hash_chain(request, seed))
 
 
+def _fifty_growing_requests() -> None:
+    """An agent's 50 turns: each request is the history so far and a new user message."""
+    cache = ChainCache()
+    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for turn in range(50):
+        history.append({"role": "user", "content": f"question {turn}"})
+        # the client sends a fresh copy of its history every time, as after JSON parsing
+        cache.chains([dict(m) for m in history])
+        history.append({"role": "assistant", "content": f"answer {turn}"})
+
+
 def test_a_request_that_extends_the_last_hashes_only_its_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[int] = []
     real = digests.hash_chain
@@ -67,13 +78,7 @@ def test_a_request_that_extends_the_last_hashes_only_its_new_messages(monkeypatc
         return real(messages, start)
 
     monkeypatch.setattr(digests, "hash_chain", counting)
-    cache = ChainCache()
-    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
-    for turn in range(50):
-        history.append({"role": "user", "content": f"question {turn}"})
-        # the client sends a fresh copy of its history every time, as after JSON parsing
-        cache.chains([dict(m) for m in history])
-        history.append({"role": "assistant", "content": f"answer {turn}"})
+    _fifty_growing_requests()
     assert hashed[0] == 2
     assert hashed[1:] == [2] * 49  # the echoed reply and the new user message
 
@@ -87,12 +92,7 @@ def test_a_request_that_extends_the_last_fingerprints_only_its_new_messages(monk
         return real(messages)
 
     monkeypatch.setattr(digests, "fingerprints", counting)
-    cache = ChainCache()
-    history: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
-    for turn in range(50):
-        history.append({"role": "user", "content": f"question {turn}"})
-        cache.chains([dict(m) for m in history])
-        history.append({"role": "assistant", "content": f"answer {turn}"})
+    _fifty_growing_requests()
     assert fingerprinted == [2] * 50  # the history before them is compared as one digest
 
 

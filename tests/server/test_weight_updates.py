@@ -44,14 +44,22 @@ async def _turns() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_withdrawn_answer_runs_again_streamed_and_a_second_pause_cuts_it(
-    engine: LlamaCppEngine, renderer: Renderer
-) -> None:
+async def _waiting_at_the_engine(
+    engine: LlamaCppEngine, renderer: Renderer, session: str
+) -> tuple[GatedEngine, Gateway, asyncio.Task[list[Event]]]:
+    """A gateway whose engine holds generations at its gate, and an unstreamed request waiting there."""
     gated = GatedEngine(engine)
     gateway = Gateway(gated, renderer, SessionRegistry())
     gated.gate.clear()
-    request = asyncio.create_task(_collect(gateway, "w"))
+    request = asyncio.create_task(_collect(gateway, session))
     await asyncio.wait_for(gated.entered.wait(), 30)
+    return gated, gateway, request
+
+
+async def test_a_withdrawn_answer_runs_again_streamed_and_a_second_pause_cuts_it(
+    engine: LlamaCppEngine, renderer: Renderer
+) -> None:
+    gated, gateway, request = await _waiting_at_the_engine(engine, renderer, "w")
     assert gated.wholes == [True]  # the first run asks for its answer in one piece
     gateway.pause(abort=True)
     await _turns()
@@ -75,11 +83,7 @@ async def test_a_withdrawn_answer_runs_again_streamed_and_a_second_pause_cuts_it
 async def test_a_client_that_leaves_while_withdrawn_is_not_run_again(
     engine: LlamaCppEngine, renderer: Renderer, client_first: bool
 ) -> None:
-    gated = GatedEngine(engine)
-    gateway = Gateway(gated, renderer, SessionRegistry())
-    gated.gate.clear()
-    request = asyncio.create_task(_collect(gateway, "left"))
-    await asyncio.wait_for(gated.entered.wait(), 30)
+    gated, gateway, request = await _waiting_at_the_engine(engine, renderer, "left")
     if client_first:
         request.cancel()
         gateway.pause(abort=True)
