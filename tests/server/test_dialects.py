@@ -132,6 +132,9 @@ def test_anthropic_blocks_become_chat_messages() -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "Hi", "max_output_tokens": "ten"}, "max_output_tokens"),
+        # the Response echoes metadata, whose values OpenAI's types hold as strings only
+        ({"input": "Hi", "metadata": {"": None}}, "metadata."),
+        ({"input": "Hi", "metadata": {"k": 1}}, "metadata.k"),
     ],
 )
 async def test_bad_responses_requests_get_openai_errors(

@@ -76,7 +76,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None
     store: StrictBool | None = None
     stream: StrictBool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's Metadata: string values, echoed in the Response
     # what vLLM and trainers add
     seed: StrictInt | None = None
     top_k: StrictInt | None = None
