@@ -8,6 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import tokenizers
+
+from tokentape.render.gguf_vocab import PROBES, fast_tokenizer
+
 __all__ = ["Tokenizer", "GGUFTokenizer"]
 
 
@@ -37,7 +41,11 @@ class Tokenizer(Protocol):
 
 
 class GGUFTokenizer:
-    """The vocabulary stored in a GGUF file, loaded alone (no weights) through llama.cpp."""
+    """The vocabulary stored in a GGUF file, loaded alone (no weights) through llama.cpp.
+
+    Text is encoded by a `tokenizers` copy of the same BPE where the file's pre-tokenizer recipe is
+    known (gguf_vocab.py) and the copy splits every probe text exactly as llama.cpp does; by llama.cpp
+    otherwise, and for text `tokenizers` cannot take (lone surrogates)."""
 
     def __init__(self, model_path: Path) -> None:
         import llama_cpp
@@ -50,8 +58,30 @@ class GGUFTokenizer:
         self.vocab_size: int = self._llama.n_vocab()
         self.end_of_turn_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
         self.metadata: dict[str, str] = dict(self._llama.metadata)
+        copy = fast_tokenizer(model_path)
+        self._fast = copy if copy is not None and self._agrees(copy) else None
+
+    @property
+    def fast(self) -> bool:
+        """Whether text is encoded by the `tokenizers` copy."""
+        return self._fast is not None
+
+    def _agrees(self, copy: tokenizers.Tokenizer) -> bool:
+        specials = [self.special_text(t) for t in range(self.vocab_size) if not self.token_bytes(t)]
+        probes = [*PROBES, "".join(specials), " ".join(specials)]
+        return all(copy.encode(text, add_special_tokens=False).ids == self.llama_encode(text) for text in probes)
 
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            try:
+                ids: list[int] = self._fast.encode(text, add_special_tokens=False).ids
+                return ids
+            except TypeError:  # text that is not valid Unicode (a lone surrogate): llama.cpp takes its bytes
+                pass
+        return self.llama_encode(text)
+
+    def llama_encode(self, text: str) -> list[int]:
+        """llama.cpp's encoding (the reference)."""
         # llama.cpp's own call, with a buffer as long as the text can need (a token covers at least one
         # byte): llama-cpp-python's wrapper tries a buffer of the training context first, which a
         # vocabulary-only model reports as 0, so it tokenized every text twice

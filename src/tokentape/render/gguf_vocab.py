@@ -1,0 +1,149 @@
+"""A GGUF file's BPE vocabulary as a `tokenizers` tokenizer, for the pre-tokenizers whose recipe is
+known exactly; llama.cpp's own tokenizer stays the reference.
+
+llama.cpp tokenizes a short chat turn (a bridge: the new user message and the generation prompt) in
+about 70 us, most of it per call; `tokenizers` takes about 22. The gateway tokenizes the new messages
+of every request, so that is a good part of its CPU per request. Where a GGUF's `tokenizer.ggml.pre`
+names a recipe listed here, the same BPE is built from the file's own tokens and merges;
+`GGUFTokenizer` then checks it against llama.cpp on a set of probe texts before using it, and keeps
+llama.cpp when anything differs.
+
+The file's key-value header is read directly (the `gguf` package's reader maps every field of the
+file as numpy arrays, which takes seconds for a 49k-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+__all__ = ["read_metadata", "fast_tokenizer", "PROBES"]
+
+_MAGIC = b"GGUF"
+# GGUF value types: fixed-size scalars by struct format; 8 is a string, 9 an array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types; the last two are parsed in text
+
+
+def read_metadata(path: Path, keys: frozenset[str]) -> dict[str, Any]:
+    """The values of `keys` in a GGUF file's header (versions 2 and 3), skipping every other value."""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        version, _tensors, count = struct.unpack_from("<IQQ", data, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        offset = 24
+        found: dict[str, Any] = {}
+        for _ in range(count):
+            key, offset = _string(data, offset)
+            (kind,) = struct.unpack_from("<I", data, offset)
+            value, offset = _value(data, offset + 4, kind, keep=key in keys)
+            if key in keys:
+                found[key] = value
+                if len(found) == len(keys):
+                    break
+        return found
+
+
+def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
+    (size,) = struct.unpack_from("<Q", data, offset)
+    start = offset + 8
+    return data[start : start + size].decode("utf-8"), start + size
+
+
+def _value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[Any, int]:
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, data, offset)[0], offset + struct.calcsize(fmt)
+    if kind == _STRING:
+        return _string(data, offset)
+    if kind != _ARRAY:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    item, size = struct.unpack_from("<IQ", data, offset)
+    offset += 12
+    if item in _SCALARS:  # a numeric array in one read
+        fmt = _SCALARS[item]
+        width = struct.calcsize(fmt)
+        values = list(struct.unpack_from(f"<{size}{fmt[1]}", data, offset)) if keep else None
+        return values, offset + size * width
+    values = []
+    for _ in range(size):
+        value, offset = _value(data, offset, item, keep=keep)
+        if keep:
+            values.append(value)
+    return (values if keep else None), offset
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer | None:
+    """The Hugging Face pre-tokenizer that splits text as llama.cpp does for `pre`, where known."""
+    if pre == "smollm":  # digits one by one, then GPT-2's split (llama.cpp: LLAMA_VOCAB_PRE_TYPE_SMOLLM)
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    return None
+
+
+def fast_tokenizer(path: Path) -> tokenizers.Tokenizer | None:
+    """The GGUF's BPE vocabulary as a `tokenizers` tokenizer, or None when its recipe is not known."""
+    wanted = frozenset(
+        {
+            "tokenizer.ggml.model",
+            "tokenizer.ggml.pre",
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.merges",
+        }
+    )
+    meta = read_metadata(path, wanted)
+    if meta.get("tokenizer.ggml.model") != "gpt2" or set(meta) != wanted:
+        return None
+    split = _pre_tokenizer(str(meta["tokenizer.ggml.pre"]))
+    if split is None:
+        return None
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = split
+    tokenizer.decoder = decoders.ByteLevel()
+    kinds: list[int] = meta["tokenizer.ggml.token_type"]
+    if not set(kinds) <= {_NORMAL, _CONTROL, _USER_DEFINED}:  # unknown, unused or byte tokens: not copied
+        return None
+    special = [t for t, kind in zip(tokens, kinds, strict=True) if kind in (_CONTROL, _USER_DEFINED)]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return tokenizer
+
+
+# Texts a fast tokenizer must split exactly as llama.cpp before it is used: chat turns, digits, code,
+# whitespace runs, contractions, accents, CJK, emoji with modifiers, and special tokens in between.
+PROBES = (
+    "",
+    " ",
+    "\n\n\n",
+    "hello world",
+    "Hello, World! It's 2024-11-23 and I'm   here.\n\tThey've said we'll see; don't.",
+    "<|im_start|>user\nStep 3 of agent 0: what should we do next?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>",
+    "x = [1, 22, 333, 4444]; print(f'{x!r}')  # 3.14159e-10\r\n",
+    "    def f(self):\n        return {'a': 1}\n\n\n",
+    "café naïve Straße ÆØÅ ñ über",
+    "中文文本\uff0c日本語のテキスト。한국어",
+    "😀👍🏽 👩‍👩‍👧 ✨🚀",
+    "a\u200bb\u00a0c\u2028d",
+    "<|endoftext|><|endoftext|>text<|im_end|>more",
+    "<|im_start|> spaced <|im_end|> \n",
+    "'s 't 're 've 'm 'll 'd 'S 'RE",
+    "!!!??? ... --- ___ *** ``` ~~~",
+    "1234567890 00 007 3.5 -42 +7 1e9 0x1F",
+    "tab\tand\ttabs\t\t\tend",
+    "trailing spaces   ",
+)
