@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anyio
 import pytest
@@ -261,6 +262,35 @@ async def test_token_ids_outside_the_vocabulary_are_protocol_faults(remote: tupl
     engine.vocab_size = 1000  # the script samples IDs from 300 to 30300
     with pytest.raises(EngineProtocolError, match="not a token of this model"):
         await _run(engine, SamplingParams(max_tokens=5))
+
+
+def _respelled(rename: Callable[[int], object]) -> Callable[[int, dict[str, Any]], bytes]:
+    """A completions event whose `tokens` name each of its `token_ids` as `rename` says."""
+
+    def mangle(_: int, event: dict[str, Any]) -> bytes:
+        for choice in event["choices"]:
+            choice["logprobs"]["tokens"] = [rename(t) for t in choice["token_ids"]]
+        return json.dumps(event).encode()
+
+    return mangle
+
+
+@WHOLE
+async def test_token_ids_and_the_tokens_they_name_must_agree(whole: bool) -> None:
+    state = FakeState()
+    with serving(vllm_app(state)) as url:
+        engine = VLLMEngine(url)
+        params = SamplingParams(max_tokens=5)
+        expected = await _run(engine, params, whole=whole)
+        state.mangle = _respelled(lambda t: f"token_id:{t:05d}")  # spelled with zeros: the same IDs
+        assert await _run(engine, params, whole=whole) == expected
+        state.mangle = _respelled(lambda t: f"token_id:{t + 1}")
+        with pytest.raises(EngineProtocolError, match="differ"):
+            await _run(engine, params, whole=whole)
+        state.mangle = _respelled(lambda t: f"{t}")
+        with pytest.raises(EngineProtocolError, match="not `token_id:N`"):
+            await _run(engine, params, whole=whole)
+        await engine.close()
 
 
 @pytest.mark.parametrize(

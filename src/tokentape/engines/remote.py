@@ -198,6 +198,14 @@ class RemoteEngine:
             raise EngineProtocolError(f"the engine sent {what} {_quote(value)}, not a token of this model")
         return value
 
+    def _token_ids(self, values: list[Any]) -> list[int]:
+        """`values` if every one is a token of this model (one loop, no call per token)."""
+        vocab = self.vocab_size if self.vocab_size is not None else 1 << 62
+        for value in values:
+            if type(value) is not int or not 0 <= value < vocab:
+                self._token(value)  # raises, naming the value
+        return values
+
     def _error_from(self, status: int, body: bytes) -> Exception:
         """The error a non-2xx answer stands for, with the engine's own words."""
         text = body.decode(errors="replace")
@@ -329,6 +337,17 @@ def _logprob(value: object) -> float:
     return min(number, 0.0)
 
 
+def _logprobs(values: list[Any]) -> list[float]:
+    """`_logprob` of each value, with the common case (a float in range) checked inline."""
+    out: list[float] = []
+    for value in values:
+        if type(value) is float and -math.inf < value <= 0.0:
+            out.append(value)
+        else:
+            out.append(_logprob(value))
+    return out
+
+
 def _token_text_id(token: object) -> int:
     """`token_id:N`, as vLLM spells tokens with `return_tokens_as_token_ids`."""
     if isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit():
@@ -453,21 +472,28 @@ class VLLMEngine(RemoteEngine):
             logprobs = choice.get("logprobs") or {}
             if not isinstance(logprobs, dict):
                 raise EngineProtocolError(f"the engine sent logprobs of an unexpected shape: {_quote(logprobs)}")
-            named = [_token_text_id(t) for t in _list(logprobs.get("tokens"), "tokens")]
-            ids = [self._token(t) for t in _list(choice.get("token_ids"), "token_ids")] or named
-            if named and named != ids:
-                raise EngineProtocolError(f"the engine's token_ids {_quote(ids)} and tokens {_quote(named)} differ")
-            values = _list(logprobs.get("token_logprobs"), "token_logprobs")
+            ids = self._token_ids(_list(choice.get("token_ids"), "token_ids"))
+            spelled = _list(logprobs.get("tokens"), "tokens")
+            if spelled and spelled != [f"token_id:{t}" for t in ids]:  # the usual case is one comparison
+                named = self._token_ids([_token_text_id(t) for t in spelled])
+                if ids and named != ids:
+                    raise EngineProtocolError(f"the engine's token_ids {_quote(ids)} and tokens {_quote(named)} differ")
+                ids = named
+            values = _logprobs(_list(logprobs.get("token_logprobs"), "token_logprobs"))
             tops = _list(logprobs.get("top_logprobs"), "top_logprobs") or [None] * len(ids)
             if len(values) != len(ids) or len(tops) != len(ids):
                 raise EngineProtocolError(
                     f"the engine sent {len(ids)} token IDs with {len(values)} logprobs and {len(tops)} top_logprobs"
                 )
+            keep = params.top_logprobs
+            if not keep:  # alternatives nobody asked for (vLLM lists the sampled token) are not read
+                out += [SampledToken(token, value, (), mode) for token, value in zip(ids, values, strict=True)]
+                continue
             for token, value, top in zip(ids, values, tops, strict=True):
                 if top is not None and not isinstance(top, dict):
                     raise EngineProtocolError(f"the engine sent top_logprobs of an unexpected shape: {_quote(top)}")
                 alternatives = [(self._token(_token_text_id(t)), _logprob(lp)) for t, lp in (top or {}).items()]
-                out.append(SampledToken(token, _logprob(value), _best_first(alternatives, params.top_logprobs), mode))
+                out.append(SampledToken(token, value, _best_first(alternatives, keep), mode))
         return out
 
 
