@@ -158,6 +158,8 @@ def serve(
         loop="uvloop",
         http="httptools",
         proxy_headers=False,  # nothing reads the client address; one ASGI layer less per request
+        # below info an access line is never shown, yet uvicorn formats its fields for every request
+        access_log=log_level.lower() in ("debug", "info"),
         timeout_graceful_shutdown=drain_seconds,
     )
 
