@@ -75,7 +75,8 @@ class LlamaCppEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
         self._counting = threading.Lock()
-        self.tokens_generated = 0  # every token sampled since start, aborted generations included
+        self.tokens_generated = 0  # every token handed over since start, aborted generations included
+        self.tokens_sampled = 0  # every token the worker sampled, also one sampled as its generation closed
 
     async def generate(
         self,
@@ -115,6 +116,9 @@ class LlamaCppEngine:
                 if isinstance(item, BaseException):
                     raise EngineFailure(f"the embedded engine failed: {item}") from item
                 assert isinstance(item, SampledToken)
+                # counted as it is handed over, as the remote engines count: a token the worker sampled
+                # while this generation was being closed reaches nobody, so no tape is one short of it
+                self.tokens_generated += 1
                 yield item
         finally:
             cancel.set()  # the worker stops before its next token; the executor stays serial
@@ -181,7 +185,7 @@ class LlamaCppEngine:
                     if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
                         return
                 token, logprob, top = sample_token(logits, params, rng)
-                self.tokens_generated += 1
+                self.tokens_sampled += 1
                 emit(SampledToken(token, logprob, tuple((t, lp) for t, lp in top if np.isfinite(lp)), mode))
                 if token in stop_ids:
                     return
@@ -223,6 +227,7 @@ class LlamaCppEngine:
             "flash_attention": self.settings.flash_attention,
             "waiting": self.waiting,
             "tokens_generated": self.tokens_generated,
+            "tokens_sampled": self.tokens_sampled,
         }
 
     async def close(self) -> None:
