@@ -149,7 +149,7 @@ def serve(
         err=True,
     )
     uvicorn.run(
-        create_app(gateway, model_id=name, guard=guard, owns_gateway=True),
+        create_app(gateway, model_id=name, guard=guard, owns_gateway=True, serving_process=True),
         host=host,
         port=port,
         log_level=log_level.lower(),

@@ -178,7 +178,7 @@ class GatewayActor:
         router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
         self.gateway = gateway
-        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True)
+        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True, serving_process=True)
         self.peers = RayPeers(spec.index)
         self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
         self.url = f"http://{spec.host}:{spec.port}"

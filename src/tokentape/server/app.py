@@ -27,6 +27,7 @@ from tokentape.server.dialects.anthropic import AnthropicMessages, MessagesReque
 from tokentape.server.dialects.generate import GenerateRequest, VLLMGenerate
 from tokentape.server.dialects.responses import OpenAIResponses, ResponsesRequest
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
+from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
@@ -91,13 +92,17 @@ def create_app(
     model_id: str | None,
     guard: GuardSettings | None = None,
     owns_gateway: bool = False,
+    serving_process: bool = False,
 ) -> FastAPI:
     """The ASGI app. It starts the gateway when it starts; a server that owns the gateway also closes
-    it when it shuts down (every pending write finishes, the store checkpoints its log)."""
+    it when it shuts down (every pending write finishes, the store checkpoints its log). In a process
+    that exists to serve it (`serving_process`), the garbage collector is settled once it has started."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        if serving_process:
+            settle_for_serving()
         yield
         if owns_gateway:
             await gateway.aclose()

@@ -1,0 +1,34 @@
+"""Garbage collection in a process that serves the gateway.
+
+CPython's cycle collector walks every tracked object of a generation each time it runs. A serving
+process holds a few hundred thousand objects that live as long as it does (the modules, the chat
+template and tokenizer, pydantic's schemas, the sessions reloaded at start) and, under load, many
+requests' objects young enough to reach the older generations: with the default thresholds a
+full collection came every ~850 requests at 64 concurrent sessions and took 15-200 ms each, with
+the event loop stopped. The request path makes no reference cycles (a run's collections free
+nothing), so the collector has little to do but walk:
+
+- what the process holds once it serves is frozen (`gc.freeze`): never walked again; reference
+  counting still frees it when it goes;
+- the young generation is collected after 50,000 net allocations instead of 700, the older ones
+  after 20 collections of the one below instead of 10.
+
+Only for a process that is a server; a library embedding the gateway leaves its host's collector
+alone.
+"""
+
+from __future__ import annotations
+
+import gc
+
+__all__ = ["SERVING_THRESHOLDS", "settle_for_serving"]
+
+SERVING_THRESHOLDS = (50_000, 20, 20)
+
+
+def settle_for_serving() -> None:
+    """Freeze what the process holds now and make the collector run less often. Call once, when the
+    process is about to serve (everything it keeps for its lifetime is loaded)."""
+    gc.collect()  # what is garbage now is not frozen
+    gc.freeze()
+    gc.set_threshold(*SERVING_THRESHOLDS)
