@@ -15,7 +15,13 @@ gateway's processes over a run divided by its requests; RSS is the gateway's aft
 is the gateway's p50 minus direct's p50 of the same round. Time to first token is measured streamed,
 at one session.
 
-    python benchmarks/overhead.py [--levels 1 16 64] [--rounds 5] [--requests 240]
+A run is at least 1,000 calls and two whole episodes per agent: what an RL run keeps up for hours is
+the steady state, and shorter runs measure mostly their start (every agent's first call at once) and
+their tail (the last agents finishing alone). With 240 calls a run, 64 agents made 4 calls each and no
+episode ever reached its later turns; the ratio to direct at 16 sessions then moved 0.68-1.02 between
+rounds of the same code.
+
+    python benchmarks/overhead.py [--levels 1 16 64] [--rounds 5] [--requests 1000]
 """
 
 from __future__ import annotations
@@ -348,7 +354,7 @@ async def main(args: argparse.Namespace) -> None:
         summary: dict[int, dict[str, float]] = {}
         for level in args.levels:
             runs: dict[str, list[Run]] = {t.name: [] for t in targets}
-            requests = max(args.requests, level * 4)
+            requests = max(args.requests, level * 2 * TURNS_PER_SESSION)
             for round_ in range(args.rounds):
                 order = targets[round_ % 3 :] + targets[: round_ % 3]
                 for target in order:
@@ -381,5 +387,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=240, help="calls per run (at least 4 per session)")
+    parser.add_argument("--requests", type=int, default=1000, help="calls per run (at least two episodes per session)")
     asyncio.run(main(parser.parse_args()))
