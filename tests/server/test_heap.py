@@ -53,7 +53,7 @@ def test_serve_freezes_what_it_loaded_once_the_gateway_has_started(
 def test_a_gateway_inside_another_program_leaves_its_collector_alone(
     gateway: Gateway, restored_collector: tuple[int, int, int]
 ) -> None:
-    with TestClient(create_app(gateway, model_id=MODEL_NAME, owns_gateway=True)) as client:
+    with TestClient(create_app(gateway, model_id=MODEL_NAME)) as client:
         assert client.get("/health").status_code == 200
         assert gc.get_freeze_count() == 0
         assert gc.get_threshold() == restored_collector

@@ -63,3 +63,33 @@ async def test_the_guard_runs_before_the_lean_path(gateway: Gateway, served: lis
         assert (await http.post("/v1/chat/completions", json=big, headers=headers)).status_code == 413
         assert (await http.post("/v1/chat/completions", json=BODY, headers=headers)).status_code == 200
     assert served == ["/v1/chat/completions"]
+
+
+async def test_the_other_dialects_take_the_lean_path_with_their_own_error_shapes(
+    gateway: Gateway, served: list[str]
+) -> None:
+    app = create_app(gateway, model_id=MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        response = await http.post(
+            "/sessions/lean-r/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2}
+        )
+        assert response.status_code == 200 and response.json()["object"] == "response"
+        message = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        response = await http.post("/sessions/lean-m/v1/messages", json=message)
+        assert response.status_code == 200 and response.json()["type"] == "message"
+        response = await http.post(
+            "/inference/v1/generate",
+            json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0}},
+        )
+        assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
+        malformed = await http.post("/v1/messages", content=b'{"model": ')
+        assert malformed.status_code == 400 and malformed.json()["type"] == "error"  # Anthropic's shape
+        assert malformed.json()["error"]["type"] == "invalid_request_error"
+        tapes = (await http.get("/sessions/lean-m")).json()
+        assert tapes["session_id"] == "lean-m"
+    assert served == [
+        "/sessions/lean-r/v1/responses",
+        "/sessions/lean-m/v1/messages",
+        "/inference/v1/generate",
+        "/v1/messages",
+    ]

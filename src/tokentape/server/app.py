@@ -113,12 +113,22 @@ def create_app(
     install_error_handlers(app)
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
-    tool_format = gateway.renderer.tool_format
+    renderer = gateway.renderer
+    tool_format = renderer.tool_format
     chat = serving.route(OpenAIChat(tokenizer, tool_format))
     completions = serving.route(OpenAICompletions(tokenizer, tool_format))
+    responses = serving.route(OpenAIResponses(tokenizer, tool_format))
+    messages = serving.route(AnthropicMessages(tokenizer, tool_format, renderer.reasoning))
+    generate = serving.route(VLLMGenerate(gateway.engine.context_length))
     app.add_middleware(Guard, settings=guard or GuardSettings())
     app.lean = HotRoutes(
-        {"/chat/completions": chat, "/completions": completions},
+        {
+            "/v1/chat/completions": chat,
+            "/v1/completions": completions,
+            "/v1/responses": responses,
+            "/v1/messages": messages,
+            "/inference/v1/generate": generate,
+        },
         on_error=handle_error,
         guard=Guard(None, guard or GuardSettings()),
     )
@@ -189,23 +199,12 @@ def create_app(
         return {"prompt": tokenizer.decode(req.tokens)}
 
     # -- the other dialects agents and trainers speak, on the same sessions and tapes ---------------
-    renderer = gateway.renderer
-    openai_routes.add_api_route(
-        "/responses",
-        serving.route(OpenAIResponses(tokenizer, renderer.tool_format)),
-        methods=["POST"],
-        openapi_extra=_body_schema(ResponsesRequest),
-    )
-    openai_routes.add_api_route(
-        "/messages",
-        serving.route(AnthropicMessages(tokenizer, renderer.tool_format, renderer.reasoning)),
-        methods=["POST"],
-        openapi_extra=_body_schema(MessagesRequest),
-    )
+    openai_routes.add_api_route("/responses", responses, methods=["POST"], openapi_extra=_body_schema(ResponsesRequest))
+    openai_routes.add_api_route("/messages", messages, methods=["POST"], openapi_extra=_body_schema(MessagesRequest))
     token_routes = APIRouter()  # vLLM's token route lives at the server root, not under /v1
     token_routes.add_api_route(
         "/inference/v1/generate",
-        serving.route(VLLMGenerate(gateway.engine.context_length)),
+        generate,
         methods=["POST"],
         openapi_extra=_body_schema(GenerateRequest),
     )

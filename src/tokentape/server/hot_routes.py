@@ -26,8 +26,8 @@ _SESSIONS = "/sessions/"
 
 
 class HotRoutes:
-    """`routes` maps a path under `/v1` (e.g. `/chat/completions`) to its handler; the same paths
-    under `/sessions/{session_id}/v1` reach it with `session_id` as a path parameter."""
+    """`routes` maps a path (e.g. `/v1/chat/completions`) to its handler; the same path under
+    `/sessions/{session_id}` reaches it with `session_id` as a path parameter."""
 
     def __init__(self, routes: Mapping[str, Handler], on_error: ErrorHandler, guard: Guard) -> None:
         self.routes = dict(routes)
@@ -45,9 +45,7 @@ class HotRoutes:
             if not session_id:
                 return None
             path = "/" + path
-        if not path.startswith("/v1/"):
-            return None
-        handler = self.routes.get(path[3:])
+        handler = self.routes.get(path)
         return None if handler is None else (handler, session_id)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None) -> None:
