@@ -5,6 +5,7 @@ program leaves that program's collector as it was."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from tokentape.server.app import create_app
 
 
 @pytest.fixture
-def restored_collector() -> Any:
+def restored_collector() -> Iterator[tuple[int, int, int]]:
+    """The collector's thresholds as they were; put back (and nothing left frozen) afterwards."""
     threshold = gc.get_threshold()
     yield threshold
     gc.unfreeze()
@@ -44,7 +46,7 @@ def test_serve_freezes_what_it_loaded_once_the_gateway_has_started(
     result = CliRunner().invoke(cli, ["serve", "--store", str(tmp_path / "t.sqlite3"), "--log-level", "warning"])
     assert result.exit_code == 0, result.output
     assert seen["health"] == 200
-    assert seen["before start"] == 0  # not before the gateway started: what it loads at start belongs in
+    assert seen["before start"] == 0  # settled after the gateway started: what it loads then is frozen too
     assert seen["frozen"] >= 0.9 * alive  # everything this process held before `serve` ran, and more
     young, middle, old = seen["threshold"]
     assert young >= 10 * restored_collector[0] and middle >= restored_collector[1] and old >= restored_collector[2]

@@ -5,8 +5,8 @@ process holds a few hundred thousand objects that live as long as it does (the m
 template and tokenizer, pydantic's schemas, the sessions reloaded at start) and, under load, many
 requests' objects young enough to reach the older generations: with the default thresholds a
 full collection came every ~850 requests at 64 concurrent sessions and took 15-200 ms each, with
-the event loop stopped. The request path makes no reference cycles (a run's collections free
-nothing), so the collector has little to do but walk:
+the event loop stopped. The request path makes no reference cycles (the collections of a run of
+chat turns free nothing), so the collector has little to do but walk:
 
 - what the process holds once it serves is frozen (`gc.freeze`): never walked again; reference
   counting still frees it when it goes;
