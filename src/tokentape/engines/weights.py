@@ -1,0 +1,69 @@
+"""The weight-update seam: what a trainer asks an engine to load, and the four steps every engine that
+can change weights under a live gateway offers. The gateway (not the engine) orders the steps over all
+of its engines, holds new generations meanwhile and bumps the policy version only when every engine
+succeeded; an engine only does its own part, the engine's own way.
+
+    check_weights      before anything is paused: can this engine do it? (path, format, architecture,
+                       vocabulary, the engine's version and flags). Raises WeightUpdateRefused; changes nothing.
+    pause_generation   stop sampling. `keep`: running requests stay where they are, KV included, and go on
+                       after `resume_generation`; `continue` / `abort`: the gateway has already closed its
+                       running generations, the engine drops whatever is left.
+    load_weights       load them; raises WeightUpdateFailed with the engine's words.
+    resume_generation  sample again; `fresh_kv`: drop every cached prefix first (computed under the old
+                       weights), which every mode but `keep` asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "IN_FLIGHT_MODES",
+    "InFlight",
+    "UpdatableEngine",
+    "WeightKind",
+    "WeightSource",
+    "WeightUpdateFailed",
+    "WeightUpdateRefused",
+]
+
+# What happens to generations running when an update lands:
+#   continue  stop each at a token boundary, then generate on from prompt + sampled tokens on fresh KV
+#             under the new weights, as one turn
+#   keep      the same, but on the KV the old weights computed (the engine pauses in place)
+#   abort     end them with finish reason `abort`
+InFlight = Literal["continue", "keep", "abort"]
+IN_FLIGHT_MODES: tuple[InFlight, ...] = ("continue", "keep", "abort")
+
+# lora: an adapter on the loaded base model (GGUF for the embedded engine, a PEFT directory for vLLM and
+# SGLang); model: whole weights (a GGUF for the embedded engine, a directory the engine can read for the
+# others); engine_managed: the trainer pushed the weights itself (e.g. over NCCL), nothing to load.
+WeightKind = Literal["lora", "model", "engine_managed"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSource:
+    kind: WeightKind
+    path: str | None = None  # None only for engine_managed
+
+
+class WeightUpdateRefused(Exception):
+    """The engine cannot do this update; raised before anything changed. The message names the problem."""
+
+
+class WeightUpdateFailed(Exception):
+    """The engine tried and failed (it may now be paused, or hold partly loaded weights)."""
+
+
+@runtime_checkable
+class UpdatableEngine(Protocol):
+    """An engine whose weights can change while the gateway runs."""
+
+    async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None: ...
+
+    async def pause_generation(self, in_flight: InFlight) -> None: ...
+
+    async def load_weights(self, source: WeightSource, version: int) -> None: ...
+
+    async def resume_generation(self, *, fresh_kv: bool) -> None: ...
