@@ -76,6 +76,9 @@ class Gateway:
         self.planner = Planner(renderer)
         self.engine_calls = 0
         self.policy_version: str | None = None
+        # RL clients' choice: a request whose max_tokens passes the context gets the room left (finish
+        # `length`) instead of OpenAI's 400; sessions opt in alone with metadata {"max_tokens": "clip"}
+        self.clip_max_tokens = False
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         self._running = asyncio.Event()
         self._running.set()
@@ -203,12 +206,12 @@ class Gateway:
             else:
                 assert isinstance(call, ChatCall)
                 plan = await self.planner.chat(session.tree, call)
-            self._check_room(plan.prompt, call.sampling)
+            sampling = self._check_room(plan.prompt, call.sampling, self._clips(session))
             session.requests += 1
             constraint = call.constraint if isinstance(call, ChatCall) else None
             choices = [
-                self._choice(ticket, plan, call.sampling, index, constraint, call.trace_id, streamed)
-                for index in range(call.sampling.n)
+                self._choice(ticket, plan, sampling, index, constraint, call.trace_id, streamed)
+                for index in range(sampling.n)
             ]
             async with contextlib.aclosing(choices[0]) as first:
                 # An engine refuses a constraint it cannot enforce before its first token: the first choice
@@ -245,15 +248,23 @@ class Gateway:
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
 
-    def _check_room(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    def _clips(self, session: Session) -> bool:
+        """Whether a `max_tokens` beyond the room left is clipped (finish `length`) rather than refused:
+        opt-in for the whole gateway (`clip_max_tokens`) or per session (metadata `max_tokens: clip`)."""
+        return self.clip_max_tokens or session.tree.outcome.metadata.get("max_tokens") == "clip"
+
+    def _check_room(self, prompt: Sequence[int], sampling: SamplingParams, clip: bool = False) -> SamplingParams:
         context = self.engine.context_length
         wanted = len(prompt) + (sampling.max_tokens or 1)
+        if clip and len(prompt) < context and wanted > context:
+            return dataclasses.replace(sampling, max_tokens=context - len(prompt))
         if wanted > context:
             raise ContextOverflow(
                 f"this model's context holds {context} tokens; the request needs {wanted} "
                 f"({len(prompt)} in the prompt, {sampling.max_tokens or 1} to generate)",
                 param="max_tokens" if len(prompt) < context else "messages",
             )
+        return sampling
 
     # -- retries ---------------------------------------------------------------------------------------
     async def _replay(self, ticket: Ticket) -> list[Event] | None:

@@ -1,0 +1,54 @@
+"""What RL clients want when a request's `max_tokens` passes the room left in the context: opt in and
+get that room (finish `length`), as vLLM-backed trainers do; OpenAI's 400 stays the default."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tokentape.client import InProcessGateway
+from tokentape.gateway.service import Gateway
+
+FILLER = "one two three four five six seven eight nine ten " * 96  # about a thousand tokens
+
+
+def _request(room_wanted: int) -> dict[str, object]:
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": FILLER + "Now count on from eleven, in words."}],
+        "max_tokens": room_wanted,
+        "temperature": 0.0,
+    }
+
+
+async def test_max_tokens_past_the_context_is_refused_by_default_and_clipped_on_request(gateway: Gateway) -> None:
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    context = gateway.engine.context_length
+    try:
+        await local.create_session("refused")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await local.client("refused").chat.completions.create(**_request(200))  # type: ignore[call-overload]
+        assert refused.value.code == "context_length_exceeded"
+        assert (await local.http.get("/sessions/refused")).json()["turns"] == 0  # nothing recorded
+
+        await local.create_session("clipped", metadata={"max_tokens": "clip"})
+        reply = await local.client("clipped").chat.completions.create(**_request(200))  # type: ignore[call-overload]
+        room = context - len(reply.prompt_token_ids)  # type: ignore[attr-defined]
+        assert 0 < room < 200
+        assert reply.choices[0].finish_reason == "length"
+        assert len(reply.choices[0].token_ids) == room  # type: ignore[attr-defined]
+
+        gateway.clip_max_tokens = True  # the whole gateway: sessions need not ask
+        await local.create_session("server-wide")
+        wide = await local.client("server-wide").chat.completions.create(**_request(200))  # type: ignore[call-overload]
+        assert wide.choices[0].finish_reason == "length" and len(wide.choices[0].token_ids) == room  # type: ignore[attr-defined]
+        # a prompt that alone fills the context is refused all the same
+        await local.create_session("full", metadata={"max_tokens": "clip"})
+        full = _request(1) | {"messages": [{"role": "user", "content": FILLER * 2}]}
+        with pytest.raises(openai.BadRequestError) as overflow:
+            await local.client("full").chat.completions.create(**full)  # type: ignore[call-overload]
+        assert overflow.value.code == "context_length_exceeded"
+    finally:
+        gateway.clip_max_tokens = False
+        await local.aclose()
