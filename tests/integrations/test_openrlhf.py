@@ -161,3 +161,30 @@ async def test_n_choices_inside_an_episode_return_the_branch_of_its_last_turn(
     second_draft = llm.calls[1].output.token_ids
     assert last.prompt[len(drafts.prompt) : len(drafts.prompt) + len(second_draft)] == second_draft
     _check_against_calls(result, llm.calls)
+
+
+async def test_each_call_runs_in_its_own_max_length_and_an_episode_that_fills_it_ends_truncated(
+    tmp_path: Path, engine: LlamaCppEngine, tokenizer: GGUFTokenizer, hf_tokenizer: NoTorchTokenizer
+) -> None:
+    """OpenRLHF passes the trainer's max sequence length on every call: a later, shorter one binds
+    (it was the first call's), and a three-turn episode that outgrows it comes back truncated, never
+    as an exception out of `execute`."""
+    question, label, short = "What is the capital of France? Answer in one short sentence.", "Paris", 90
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    executor = _executor(tmp_path, "feedback_agent")
+    llm = EmbeddedLLM(engine, tokenizer)
+    roomy = await executor.execute(question, label, params, MAX_LENGTH, hf_tokenizer, llm)
+    assert roomy["extra_logs"]["tokentape_context_full"] == 0.0 and len(llm.calls) == len(FEEDBACK) + 1
+    for fresh in (False, True):
+        llm = EmbeddedLLM(engine, tokenizer)
+        runner = _executor(tmp_path, "feedback_agent") if fresh else executor
+        result = await runner.execute(question, label, params, short, hf_tokenizer, llm)
+        assert len(result["observation_tokens"]) <= short
+        for call in llm.calls:  # every engine call stayed inside this call's max_length
+            assert call.params is not None and len(call.prompt) + (call.params.max_tokens or 0) <= short
+        assert 1 <= len(llm.calls) <= len(FEEDBACK)  # the episode ended before its last turn
+        assert result["truncated"] is True and result["extra_logs"]["tokentape_context_full"] == 1.0
+        assert result["reward"] == 0.0
+        _check_against_calls(result, llm.calls)
+        summary = (await runner.gateway.http.get(f"/sessions/{result['session_id']}")).json()
+        assert summary["metadata"]["status"] == "context_full"

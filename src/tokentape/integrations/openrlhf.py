@@ -50,7 +50,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry, check_policy
 from tokentape.runtime import hf_renderer
 
-__all__ = ["Agent", "VLLMEngine", "agent_executor", "executor_base"]
+__all__ = ["Agent", "VLLMEngine", "agent_executor", "context_overflow", "executor_base"]
 
 Agent = Callable[[openai.AsyncOpenAI, Any, Any], Awaitable[Any]]
 
@@ -166,10 +166,34 @@ def _load_agent(agent: Agent | str) -> Agent:
     return function
 
 
+def context_overflow(exc: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) is the gateway's `context_length_exceeded`:
+    the episode's next request no longer fits the context."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, openai.APIStatusError) and getattr(current, "code", None) == "context_length_exceeded":
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def agent_executor(
-    agent: Agent | str, *, tokenizer_dir: str | Path | None = None, rewrite_policy: str = "tape"
+    agent: Agent | str,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    rewrite_policy: str = "tape",
+    overflow_reward: float = 0.0,
 ) -> type:
-    """An `AgentExecutor` class for OpenRLHF that runs `agent` (a function or "module:function")."""
+    """An `AgentExecutor` class for OpenRLHF that runs `agent` (a function or "module:function").
+
+    Each call's `max_length` is the context its episode runs in. As OpenRLHF's own executors do, a
+    request whose `max_tokens` passes the room left gets that room (finish `length`), and an episode
+    whose next request no longer fits ends there: `execute` returns it marked `truncated`, rewarded
+    `overflow_reward`, with `extra_logs["tokentape_context_full"] == 1.0` and the session's metadata
+    `status: context_full`.
+    """
     base = executor_base()
     policy = check_policy(rewrite_policy)
 
@@ -178,30 +202,41 @@ def agent_executor(
 
         def __init__(self) -> None:
             self.agent = _load_agent(agent)
-            self.gateway: InProcessGateway | None = None
-            self.engine: VLLMEngine | None = None
+            self.gateways: dict[int, InProcessGateway] = {}  # one per max_length: its engine's context
+            self.gateway: InProcessGateway | None = None  # the one the latest call ran on
+            self._renderer: Any = None
             self._lock = asyncio.Lock()
 
         async def _gateway_for(
             self, llm_engine: Any, sampling_params: Any, max_length: int, hf_tokenizer: Any
         ) -> InProcessGateway:
             async with self._lock:
-                if self.gateway is None:
+                if self._renderer is None:
                     directory = Path(tokenizer_dir or hf_tokenizer.name_or_path)
-                    renderer = await asyncio.to_thread(hf_renderer, directory)
-                    self.engine = VLLMEngine(
+                    self._renderer = await asyncio.to_thread(hf_renderer, directory)
+                gateway = self.gateways.get(max_length)
+                if gateway is None:
+                    engine = VLLMEngine(
                         llm_engine,
                         sampling_params,
                         context_length=max_length,
                         # the name OpenRLHF's own OpenAI-server example serves under
-                        model_id=str(getattr(hf_tokenizer, "name_or_path", "") or directory.name),
-                        end_of_turn_ids=renderer.tokenizer.end_of_turn_ids,
+                        model_id=str(getattr(hf_tokenizer, "name_or_path", "") or Path(tokenizer_dir or "").name),
+                        end_of_turn_ids=self._renderer.tokenizer.end_of_turn_ids,
                     )
-                    gateway = Gateway(self.engine, renderer, SessionRegistry(policy))
-                    self.gateway = InProcessGateway(gateway=gateway, model=self.engine.model_id)
-                assert self.engine is not None
-                self.engine.llm_engine, self.engine.template = llm_engine, sampling_params
-                return self.gateway
+                    core = Gateway(engine, self._renderer, SessionRegistry(policy))
+                    core.clip_max_tokens = True  # OpenRLHF's executors clip max_tokens to the room left
+                    gateway = self.gateways[max_length] = InProcessGateway(gateway=core, model=engine.model_id)
+                engine = gateway.gateway.engine
+                assert isinstance(engine, VLLMEngine)
+                engine.llm_engine, engine.template = llm_engine, sampling_params
+                self.gateway = gateway
+                return gateway
+
+        @property
+        def engine(self) -> VLLMEngine | None:
+            engine = self.gateway.gateway.engine if self.gateway is not None else None
+            return engine if isinstance(engine, VLLMEngine) else None
 
         async def execute(
             self,
@@ -219,15 +254,21 @@ def agent_executor(
             session_id = f"openrlhf-{uuid.uuid4().hex}"
             group = "prompt-" + hashlib.blake2b(str(prompt).encode(), digest_size=8).hexdigest()
             await gateway.create_session(session_id, group_id=group)
-            result = self.agent(gateway.client(session_id), prompt, label)
-            outcome = await result if inspect.isawaitable(result) else result
+            status = "done"
+            try:
+                result = self.agent(gateway.client(session_id), prompt, label)
+                outcome = await result if inspect.isawaitable(result) else result
+            except Exception as exc:
+                if not context_overflow(exc):
+                    raise
+                status, outcome = "context_full", {"reward": overflow_reward}
             reward, scores, extra_logs = _outcome(outcome)
             rewards: dict[str, Any] = {} if reward is None else {"reward": reward}
-            await gateway.finish(session_id, **rewards)
+            await gateway.finish(session_id, metadata={"status": status}, **rewards)
             export = await gateway.export(session_id)
             branches = export["branches"]
             if not branches:
-                raise RuntimeError(f"the agent made no model call in session {session_id}")
+                raise RuntimeError(f"the agent made no model call that fits max_length in session {session_id}")
             branch = max(branches, key=lambda b: max(b["turn_ids"]))  # the one holding the last turn
             logprobs = None
             if getattr(sampling_params, "logprobs", None) is not None:
@@ -242,11 +283,13 @@ def agent_executor(
                 "observation_tokens": list(branch["tokens"]),
                 "action_ranges": [tuple(r) for r in branch["action_ranges"]],
                 "rollout_log_probs": logprobs,
-                "truncated": branch["finish_reasons"][-1] == "length",
+                "truncated": status == "context_full" or branch["finish_reasons"][-1] == "length",
                 "extra_logs": {
                     **extra_logs,
                     "tokentape_turns": len(branch["turn_ids"]),
                     "tokentape_branches": len(branches),
+                    # numbers only: OpenRLHF turns every extra log into a tensor
+                    "tokentape_context_full": float(status == "context_full"),
                 },
                 "session_id": session_id,
             }
