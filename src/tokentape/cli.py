@@ -315,7 +315,8 @@ def rollout(
     stats, count = asyncio.run(go())
     mean = stats.mean_reward
     console.print(
-        f"{stats.done} episodes ({stats.errors} errors), {stats.turns} turns, {stats.sampled_tokens} "
+        f"{stats.done} episodes ({stats.errors} errors, {stats.context_full} ended with a full context), "
+        f"{stats.turns} turns, {stats.sampled_tokens} "
         f"sampled tokens, mean reward {'-' if mean is None else f'{mean:.3f}'}"
     )
     console.print(f"dataset: {out} ({count} {fmt} rows, run {stats.run_id})")

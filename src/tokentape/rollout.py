@@ -3,8 +3,11 @@ live progress bar, and write the recorded episodes as a dataset.
 
 An agent is `async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float | None`: the client
 is already bound to the episode's session; the return value is the episode's reward. Episodes of
-one group share a task (`episode.group`), as GRPO groups do. An agent that raises is counted as an
-error; its session is kept, finished, with the error in its metadata and no reward.
+one group share a task (`episode.group`), as GRPO groups do. Every episode ends with a `status` in its
+session's metadata: `done`; `context_full` when its next request no longer fits the context (a request
+whose `max_tokens` passes the room left gets that room, finish `length`; the request after it ends the
+episode, rewarded `overflow_reward`); `error` when the agent raised anything else (the error kept in the
+metadata, no reward). None of them stops the run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import openai
 from tokentape.client import GatewayClient
 from tokentape.errors import InvalidRequest
 
-__all__ = ["Agent", "Episode", "RolloutStats", "load_agent", "run_rollout"]
+__all__ = ["Agent", "Episode", "RolloutStats", "context_overflow", "load_agent", "run_rollout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class RolloutStats:
     started: float = field(default_factory=time.monotonic)
     done: int = 0
     errors: int = 0
+    context_full: int = 0  # episodes ended because their next request no longer fit the context
     turns: int = 0
     sampled_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
@@ -58,6 +62,19 @@ class RolloutStats:
     @property
     def mean_reward(self) -> float | None:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+
+def context_overflow(exc: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) is the gateway's `context_length_exceeded`:
+    the episode's next request no longer fits the context."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, openai.APIStatusError) and getattr(current, "code", None) == "context_length_exceeded":
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def load_agent(target: str, examples_dir: Path = Path("examples")) -> Agent:
@@ -100,6 +117,7 @@ async def run_rollout(
     group_size: int,
     on_progress: Callable[[RolloutStats], None] = lambda _: None,
     run_id: str | None = None,
+    overflow_reward: float = 0.0,
 ) -> RolloutStats:
     stats = RolloutStats(run_id or f"run-{uuid.uuid4().hex[:8]}", episodes)
     gate = asyncio.Semaphore(concurrency)
@@ -109,20 +127,23 @@ async def run_rollout(
         session_id = f"{stats.run_id}-{index:05d}"
         episode = Episode(index, group, member, session_id, gateway.model)
         async with gate:
-            await gateway.create_session(
-                session_id, group_id=f"{stats.run_id}-g{group:04d}", metadata={"run": stats.run_id, "episode": index}
-            )
+            metadata = {"run": stats.run_id, "episode": index, "max_tokens": "clip"}
+            await gateway.create_session(session_id, group_id=f"{stats.run_id}-g{group:04d}", metadata=metadata)
             client = gateway.client(session_id)
             reward: float | None = None
-            error: dict[str, str] | None = None
+            ending: dict[str, str] = {"status": "done"}
             try:
                 reward = await agent(client, episode)
             except Exception as exc:  # a bad rollout is data, not a crash
-                stats.errors += 1
-                stats.error_messages.append(f"episode {index}: {exc!r}")
-                error = {"error": traceback.format_exc()[-4000:]}
+                if context_overflow(exc):
+                    stats.context_full += 1
+                    reward, ending = overflow_reward, {"status": "context_full"}
+                else:
+                    stats.errors += 1
+                    stats.error_messages.append(f"episode {index}: {exc!r}")
+                    ending = {"status": "error", "error": traceback.format_exc()[-4000:]}
             rewards = {"reward": reward} if reward is not None else {}
-            summary = await gateway.finish(session_id, metadata=error, **rewards)
+            summary = await gateway.finish(session_id, metadata=ending, **rewards)
             stats.done += 1
             stats.turns += int(summary["turns"])
             stats.sampled_tokens += int(summary["sampled_tokens"])

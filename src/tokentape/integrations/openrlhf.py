@@ -48,9 +48,10 @@ from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry, check_policy
+from tokentape.rollout import context_overflow
 from tokentape.runtime import hf_renderer
 
-__all__ = ["Agent", "VLLMEngine", "agent_executor", "context_overflow", "executor_base"]
+__all__ = ["Agent", "VLLMEngine", "agent_executor", "executor_base"]
 
 Agent = Callable[[openai.AsyncOpenAI, Any, Any], Awaitable[Any]]
 
@@ -166,19 +167,6 @@ def _load_agent(agent: Agent | str) -> Agent:
     return function
 
 
-def context_overflow(exc: BaseException) -> bool:
-    """Whether an exception (or one it was raised from) is the gateway's `context_length_exceeded`:
-    the episode's next request no longer fits the context."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, openai.APIStatusError) and getattr(current, "code", None) == "context_length_exceeded":
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
 def agent_executor(
     agent: Agent | str,
     *,
@@ -227,9 +215,9 @@ def agent_executor(
                     core = Gateway(engine, self._renderer, SessionRegistry(policy))
                     core.clip_max_tokens = True  # OpenRLHF's executors clip max_tokens to the room left
                     gateway = self.gateways[max_length] = InProcessGateway(gateway=core, model=engine.model_id)
-                engine = gateway.gateway.engine
-                assert isinstance(engine, VLLMEngine)
-                engine.llm_engine, engine.template = llm_engine, sampling_params
+                current = gateway.gateway.engine
+                assert isinstance(current, VLLMEngine)
+                current.llm_engine, current.template = llm_engine, sampling_params
                 self.gateway = gateway
                 return gateway
 

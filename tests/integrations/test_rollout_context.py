@@ -1,0 +1,53 @@
+"""`tokentape rollout`'s episodes end with a status: one whose next request no longer fits the context
+ends there (`context_full`, rewarded as configured, its turns kept), beside a `done` one and an
+`error` one; none stops the run."""
+
+from __future__ import annotations
+
+import openai
+
+from tests.conftest import MODEL_NAME
+from tokentape.client import InProcessGateway
+from tokentape.gateway.service import Gateway
+from tokentape.rollout import Episode, run_rollout
+
+FILLER = "one two three four five six seven eight nine ten " * 90  # most of a 1024-token context
+
+
+async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
+    """Episode 0 answers once; episode 1 keeps talking until the context is full; episode 2 crashes."""
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Say hi."}]
+    turns = 1 if episode.index != 1 else 10
+    for turn in range(turns):
+        if episode.index == 1:
+            messages.append({"role": "user", "content": FILLER if turn == 0 else "Go on, count further."})
+        reply = await client.chat.completions.create(
+            model=episode.model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=200,  # past the room left on its second turn: clipped to it
+            temperature=0.0,
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    if episode.index == 2:
+        raise RuntimeError("the environment crashed")
+    return 1.0
+
+
+async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: Gateway) -> None:
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    try:
+        stats = await run_rollout(
+            agent, local, episodes=3, concurrency=1, group_size=3, run_id="ctx", overflow_reward=-0.5
+        )
+        assert (stats.done, stats.errors, stats.context_full) == (3, 1, 1)
+        exported = {s["session_id"]: s for s in (await local.export_all(prefix="ctx-"))["data"]}
+        status = {sid: s["metadata"]["status"] for sid, s in exported.items()}
+        assert status == {"ctx-00000": "done", "ctx-00001": "context_full", "ctx-00002": "error"}
+        full = exported["ctx-00001"]
+        assert full["reward"] == -0.5
+        (branch,) = (await local.export("ctx-00001"))["branches"]
+        assert len(branch["tokens"]) == gateway.engine.context_length  # clipped to the room, then full
+        assert branch["finish_reasons"][-1] == "length"
+        assert exported["ctx-00000"]["reward"] == 1.0 and exported["ctx-00002"]["reward"] is None
+    finally:
+        await local.aclose()
