@@ -20,15 +20,19 @@ and the new messages are rendered, and they stay masked.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import openai
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
 from tokentape.client import GatewayClient
 from tokentape.core.formats import ATROPOS_MASKED, ATROPOS_MASKED_LOGPROB
+from tokentape.rollout import context_overflow
 
 __all__ = ["ManagedSession", "TokentapeServerManager", "scored_data_group", "sequence_node"]
 
@@ -77,8 +81,30 @@ def scored_data_group(nodes: Sequence[Any], scores: Sequence[float]) -> dict[str
     }
 
 
+@dataclass
+class _Branch:
+    """One branch as the session's replies built it: the tape's tokens, mask and logprobs, kept
+    without asking the gateway (each call adds its own turn, not the whole history again)."""
+
+    tokens: list[int]
+    masked: list[int]
+    logprobs: list[float]
+    ends: list[int]  # where each of its turns' sampled tokens end: the points a later call may fork from
+    finish_reasons: list[str | None]
+    order: tuple[int, ...]  # its turns, numbered in the order they were made (the export's order)
+    text: str | None = None  # detokenized on demand, once
+
+
 class ManagedSession:
-    """What `managed_server()` yields: atroposlib ManagedServer's calls, recorded by tokentape."""
+    """What `managed_server()` yields: atroposlib ManagedServer's calls, recorded by tokentape.
+
+    Each call reads only its own reply (prompt token IDs, sampled token IDs and their logprobs, which
+    tokentape returns with every reply): its new turns extend the branch whose tokens the prompt
+    continues, at the end of one of its turns, as the gateway's session tree does. Nothing is exported
+    or detokenized per call; `get_state()` detokenizes only branches that changed. A request that no
+    longer fits the context ends the episode: the call answers with empty `length` choices,
+    `status` becomes `context_full` (in every node's metadata) and later calls answer the same.
+    """
 
     def __init__(
         self, gateway: GatewayClient, session_id: str, tokenizer: Any = None, group_id: str | None = None
@@ -86,7 +112,9 @@ class ManagedSession:
         self.gateway = gateway
         self.session_id = session_id
         self.tokenizer = tokenizer  # only to write `full_text`; tokentape renders with its own
-        self._nodes: list[Any] = []
+        self.status = "running"
+        self._branches: list[_Branch] = []
+        self._turns = 0
         self._client = gateway.client(session_id)
         self._group_id = group_id
         self._created = True  # the manager created the first session; `reset()` defers the next
@@ -94,57 +122,174 @@ class ManagedSession:
     async def _ensure_session(self) -> None:
         if not self._created:
             fields = {"group_id": self._group_id} if self._group_id else {}
-            await self.gateway.create_session(self.session_id, **fields)
+            await self.gateway.create_session(self.session_id, metadata={"max_tokens": "clip"}, **fields)
             self._created = True
 
     async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
         """A chat completion in this session (any OpenAI field: n, max_tokens, tools, ...)."""
         await self._ensure_session()
-        reply: ChatCompletion = await self._client.chat.completions.create(**self._request(kwargs))
-        await self._refresh()
+        request, asked = self._request(kwargs, chat=True)
+        if self.status == "context_full":
+            return _empty_chat(request)
+        try:
+            reply: ChatCompletion = await self._client.chat.completions.create(**request)
+        except openai.APIStatusError as exc:
+            if not context_overflow(exc):
+                raise
+            self.status = "context_full"
+            return _empty_chat(request)
+        await self._record(
+            reply, [[e.logprob for e in (c.logprobs.content or [])] if c.logprobs else [] for c in reply.choices]
+        )
+        if not asked:
+            for choice in reply.choices:
+                choice.logprobs = None
         return reply
 
     async def completion(self, **kwargs: Any) -> Completion:
         """A raw completion in this session; a token-ID prompt extends the branch it starts with."""
         await self._ensure_session()
-        reply: Completion = await self._client.completions.create(**self._request(kwargs))
-        await self._refresh()
+        request, asked = self._request(kwargs, chat=False)
+        if self.status == "context_full":
+            return _empty_completion(request)
+        try:
+            reply: Completion = await self._client.completions.create(**request)
+        except openai.APIStatusError as exc:
+            if not context_overflow(exc):
+                raise
+            self.status = "context_full"
+            return _empty_completion(request)
+        await self._record(
+            reply,
+            [
+                [float(lp or 0.0) for lp in (c.logprobs.token_logprobs or [])] if c.logprobs else []
+                for c in reply.choices
+            ],
+        )
+        if not asked:
+            for choice in reply.choices:
+                choice.logprobs = None
         return reply
 
     def get_state(self) -> dict[str, list[Any]]:
         """`{"nodes": [...]}`: one SequenceNode per branch, in the order their first turn was made."""
-        return {"nodes": list(self._nodes)}
+        from atroposlib.envs.server_handling.managed_server import SequenceNode
+
+        nodes = []
+        for branch in self._branches:
+            if branch.text is None:
+                branch.text = self._text(branch.tokens)
+            nodes.append(
+                SequenceNode(
+                    full_text=branch.text,
+                    tokens=list(branch.tokens),
+                    masked_tokens=list(branch.masked),
+                    logprobs=list(branch.logprobs),
+                    metadata={
+                        "finish_reason": branch.finish_reasons[-1],
+                        "finish_reasons": list(branch.finish_reasons),
+                        "status": self.status,
+                    },
+                )
+            )
+        return {"nodes": nodes}
 
     def reset(self) -> None:
         """Forget the tracked nodes: later calls go to a new session (the old one stays recorded)."""
         self.session_id = f"atropos-{uuid.uuid4().hex}"
         self._client = self.gateway.client(self.session_id)
-        self._nodes = []
+        self._branches, self._turns, self.status = [], 0, "running"
         self._created = False
 
     async def set_scores(self, scores: Sequence[float]) -> None:
         """Record the environment's scores on the session's branches (node order) and finish it."""
-        nodes = self._nodes
-        if len(nodes) != len(scores):
-            raise ValueError(f"{len(nodes)} nodes but {len(scores)} scores")
-        rewards = {str(node.metadata["branch_id"]): float(s) for node, s in zip(nodes, scores, strict=True)}
-        await self.gateway.finish(self.session_id, branch_rewards=rewards)
+        if len(self._branches) != len(scores):
+            raise ValueError(f"{len(self._branches)} nodes but {len(scores)} scores")
+        export = await self.gateway.export(self.session_id)  # once per episode: the branches' ids
+        ids = {tuple(b["tokens"]): str(b["branch_id"]) for b in export["branches"]}
+        rewards = {ids[tuple(b.tokens)]: float(s) for b, s in zip(self._branches, scores, strict=True)}
+        await self.gateway.finish(self.session_id, branch_rewards=rewards, metadata={"status": self.status})
 
-    def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, kwargs: dict[str, Any], *, chat: bool) -> tuple[dict[str, Any], bool]:
+        """The OpenAI request, asking for the sampled tokens' logprobs (they build the nodes); and
+        whether the caller asked for them."""
         request = {k: v for k, v in kwargs.items() if k not in _ATROPOS_ONLY}
         request.setdefault("model", self.gateway.model)
-        return request
+        asked = request.get("logprobs") not in (None, False)
+        if not asked:
+            request["logprobs"] = True if chat else 0
+        return request, asked
 
-    async def _refresh(self) -> None:
-        export = await self.gateway.export(self.session_id)
-        branches = sorted(export["branches"], key=lambda b: b["turn_ids"])
-        self._nodes = [sequence_node(b, await self._text(b["tokens"])) for b in branches]
+    async def _record(self, reply: Any, logprobs: list[list[float]]) -> None:
+        prompt: list[int] = list(reply.prompt_token_ids)
+        parent, cut = self._parent(prompt)
+        for choice, sampled_logprobs in zip(reply.choices, logprobs, strict=True):
+            sampled = list(choice.token_ids)
+            self._turns += 1
+            order: tuple[int, ...] = ()
+            if parent is None:
+                head_tokens, head_mask, head_logprobs, ends, reasons = [], [], [], [], []
+            else:
+                k = parent.ends.index(cut) + 1
+                head_tokens, head_mask, head_logprobs = parent.tokens[:cut], parent.masked[:cut], parent.logprobs[:cut]
+                ends, reasons, order = parent.ends[:k], parent.finish_reasons[:k], parent.order[:k]
+            bridge = len(prompt) - len(head_tokens)
+            branch = _Branch(
+                tokens=prompt + sampled,
+                masked=head_mask + [ATROPOS_MASKED] * bridge + sampled,
+                logprobs=head_logprobs + [ATROPOS_MASKED_LOGPROB] * bridge + list(sampled_logprobs),
+                ends=[*ends, len(prompt) + len(sampled)],
+                finish_reasons=[*reasons, choice.finish_reason],
+                order=(*order, self._turns),
+            )
+            if self.tokenizer is None:  # no tokenizer here: the gateway's, for the new branch alone
+                response = await self.gateway.http.post("/detokenize", json={"tokens": branch.tokens})
+                branch.text = str(response.json()["prompt"])
+            self._branches.append(branch)
+        if parent is not None and cut == parent.ends[-1]:  # the branch went on: its old end is no leaf now
+            self._branches.remove(parent)
+        self._branches.sort(key=lambda b: b.order)
 
-    async def _text(self, tokens: list[int]) -> str:
-        if self.tokenizer is not None:
-            return str(self.tokenizer.decode(tokens))
-        response = await self.gateway.http.post("/detokenize", json={"tokens": tokens})
-        return str(response.json()["prompt"])
+    def _parent(self, prompt: list[int]) -> tuple[_Branch | None, int]:
+        """The branch, and the end of its turn, that the prompt continues (the latest such point)."""
+        best: tuple[_Branch | None, int] = (None, 0)
+        for branch in self._branches:
+            for end in reversed(branch.ends):
+                if end <= len(prompt) and end > best[1] and prompt[:end] == branch.tokens[:end]:
+                    best = (branch, end)
+                    break
+        return best
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens))
+
+
+def _empty_chat(request: dict[str, Any]) -> ChatCompletion:
+    """The answer to a call the context no longer holds: `n` empty choices cut by `length`."""
+    return ChatCompletion.model_validate(
+        {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": str(request.get("model")),
+            "choices": [
+                {"index": i, "finish_reason": "length", "message": {"role": "assistant", "content": ""}}
+                for i in range(int(request.get("n") or 1))
+            ],
+        }
+    )
+
+
+def _empty_completion(request: dict[str, Any]) -> Completion:
+    return Completion.model_validate(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": str(request.get("model")),
+            "choices": [{"index": i, "finish_reason": "length", "text": ""} for i in range(int(request.get("n") or 1))],
+        }
+    )
 
 
 class TokentapeServerManager:
@@ -165,7 +310,7 @@ class TokentapeServerManager:
         """
         session_id = f"atropos-{uuid.uuid4().hex}"
         fields = {"group_id": self.group_id} if self.group_id else {}
-        await self.gateway.create_session(session_id, **fields)
+        await self.gateway.create_session(session_id, metadata={"max_tokens": "clip"}, **fields)
         yield ManagedSession(self.gateway, session_id, tokenizer, self.group_id)
 
     async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
