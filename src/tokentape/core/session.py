@@ -25,6 +25,7 @@ from tokentape.core.tape import (
     path,
     path_tokens,
 )
+from tokentape.core.versions import PolicySpan
 from tokentape.errors import Conflict
 
 __all__ = [
@@ -161,6 +162,7 @@ class SessionTree:
         logprob_mode: str | None = None,
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
+        policy_spans: tuple[PolicySpan, ...] = (),
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
         `template_inputs` what else the template read (`messages.template_inputs`)."""
@@ -188,6 +190,7 @@ class SessionTree:
             logprob_mode=logprob_mode,
             template_inputs=template_inputs,
             constrained=constrained,
+            policy_spans=policy_spans,
         )
         self.restore(node)
         return node

@@ -18,6 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokentape.core.versions import PolicySpan
+
 __all__ = ["Origin", "Rewrite", "RewriteKind", "RewritePolicy", "TurnNode", "BranchView", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
@@ -85,6 +87,7 @@ class TurnNode:
         "logprob_mode",
         "message_count",
         "parent",
+        "policy_spans",
         "policy_version",
         "prompt_chain",
         "reply",
@@ -119,6 +122,7 @@ class TurnNode:
         logprob_mode: str | None = None,
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
+        policy_spans: tuple[PolicySpan, ...] = (),
     ) -> None:
         if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
@@ -138,7 +142,9 @@ class TurnNode:
         self.request_key = request_key  # names the request's body (an SDK retry repeats it)
         self.request = request  # the session's number for the request that made this turn
         self.trace_id = trace_id  # a second session name the client sent with the request
-        self.policy_version = policy_version  # the weights that sampled this turn
+        self.policy_version = policy_version  # the weights that sampled this turn (a label)
+        # the integer weights versions over its sampled tokens, one span per seam (core.versions)
+        self.policy_spans = policy_spans
         self.logprob_mode = logprob_mode  # what its logprobs are, as its engine reported (None: not recorded)
         # what the template read besides the messages (tools, chat_template_kwargs); shared with the
         # parent's when equal

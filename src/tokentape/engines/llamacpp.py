@@ -5,6 +5,13 @@ and concurrent requests queue instead of corrupting each other's KV cache. The p
 token IDs; the KV cache is reused for the longest prefix shared with the previous generation (which
 is what makes multi-turn sessions cheap). Sampling is done here, in numpy, not by llama.cpp's
 sampler, so that the recorded logprob is the one the token was drawn from.
+
+Its weights change under a live gateway (the `engines.weights` seam): a LoRA adapter in GGUF form is
+swapped onto the loaded base model (a new adapter object per update, set on the context before the
+old one is freed; no reload), or a whole GGUF of the same architecture and vocabulary replaces the
+model. Every step runs on the engine's one worker thread, between generations, so no generation ever
+sees half an update. The cached prefix remembers the weights version that computed it and is reused
+only under the same version (unless the update asked to keep the old KV).
 """
 
 from __future__ import annotations
@@ -14,18 +21,24 @@ import contextlib
 import ctypes
 import os
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
+from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
 from tokentape.engines.sampler import sample_token
+from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
+
+if TYPE_CHECKING:
+    import llama_cpp
 
 __all__ = ["LlamaCppEngine", "LlamaCppSettings", "default_threads"]
 
@@ -55,28 +68,40 @@ class LlamaCppEngine:
         import llama_cpp
 
         self._lib = llama_cpp
-        threads = settings.threads or default_threads()
         self.settings = settings
-        self._llama = llama_cpp.Llama(
-            str(settings.model_path),
-            n_ctx=settings.context_length,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=settings.batch_size,
-            flash_attn=settings.flash_attention,
-            verbose=False,
-        )
+        self._llama = self._open(settings.model_path)
         vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
         n_vocab = self._llama.n_vocab()
         self.vocab_size: int = n_vocab
         self._end_of_turn = frozenset(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
         self.model_id = settings.model_path.stem
+        # the weights: the model file loaded, the adapter set on it (if any), and their version
+        self.model_path = settings.model_path
+        self.adapter_path: Path | None = None
+        self._adapter: Any = None  # llama_adapter_lora_p
+        self.weights_version = 0
+        self._cache_version = 0  # the weights version that computed the cached prefix
+        self._model_header: GGUFHeader | None = None  # read on the first check
+        self.swap_seconds: float | None = None  # how long the last load took
         self.context_length = self._llama.n_ctx()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
         self._counting = threading.Lock()
         self.tokens_generated = 0  # every token handed over since start, aborted generations included
         self.tokens_sampled = 0  # every token the worker sampled, also one sampled as its generation closed
+
+    def _open(self, path: Path) -> llama_cpp.Llama:
+        threads = self.settings.threads or default_threads()
+        llama: llama_cpp.Llama = self._lib.Llama(
+            str(path),
+            n_ctx=self.settings.context_length,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=self.settings.batch_size,
+            flash_attn=self.settings.flash_attention,
+            verbose=False,
+        )
+        return llama
 
     async def generate(
         self,
@@ -207,6 +232,9 @@ class LlamaCppEngine:
                 break
             shared += 1
         shared = min(shared, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
+        if self._cache_version != self.weights_version:  # computed under other weights: never reused
+            shared = 0
+            self._cache_version = self.weights_version
         if shared > 0 and llama._ctx.kv_cache_seq_rm(-1, shared, -1):
             llama.n_tokens = shared
         else:
@@ -228,11 +256,150 @@ class LlamaCppEngine:
             "waiting": self.waiting,
             "tokens_generated": self.tokens_generated,
             "tokens_sampled": self.tokens_sampled,
+            "weights_version": self.weights_version,
+            "adapter": None if self.adapter_path is None else str(self.adapter_path),
+            "model_file": str(self.model_path),
         }
+
+    # -- weight updates (engines.weights.UpdatableEngine) -----------------------------------------------
+    _ADAPTER_KEYS = frozenset({"general.architecture", "general.type", "adapter.type", "adapter.lora.alpha"})
+    _MODEL_KEYS = frozenset({"general.architecture", "general.type", "tokenizer.ggml.tokens"})
+
+    async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None:
+        """Refuse, naming the problem, what this engine cannot load; reads headers only."""
+        if source.kind == "engine_managed":
+            raise WeightUpdateRefused("the embedded engine loads its weights itself: send a lora or a model path")
+        if source.path is None:
+            raise WeightUpdateRefused(f"a {source.kind} update needs a path")
+        path = Path(source.path)
+        if not path.is_file():
+            raise WeightUpdateRefused(f"{path} does not exist or is not a file")
+        await asyncio.to_thread(self._check_file, path, source.kind)
+
+    def _base_header(self) -> GGUFHeader:
+        if self._model_header is None:
+            self._model_header = read_header(self.model_path, self._MODEL_KEYS)
+        return self._model_header
+
+    def _check_file(self, path: Path, kind: str) -> None:
+        base = self._base_header()
+        architecture = base.metadata.get("general.architecture")
+        try:
+            header = read_header(path, self._ADAPTER_KEYS | self._MODEL_KEYS)
+        except (ValueError, OSError) as exc:
+            raise WeightUpdateRefused(str(exc)) from exc
+        meta = header.metadata
+        if meta.get("general.architecture") != architecture:
+            raise WeightUpdateRefused(
+                f"{path} is for architecture {meta.get('general.architecture')!r}; the model is {architecture!r}"
+            )
+        if kind == "lora":
+            if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+                raise WeightUpdateRefused(f"{path} is not a LoRA adapter (general.type = adapter, adapter.type = lora)")
+            _check_adapter_tensors(path, header, base)
+            return
+        if meta.get("general.type", "model") != "model":
+            raise WeightUpdateRefused(f"{path} is not a model (general.type = {meta.get('general.type')!r})")
+        if meta.get("tokenizer.ggml.tokens") != base.metadata.get("tokenizer.ggml.tokens"):
+            raise WeightUpdateRefused(f"{path} has another vocabulary than the loaded model")
+
+    @property
+    def start_source(self) -> WeightSource:
+        """The weights it started with, for a rollback to version 0."""
+        return WeightSource("model", str(self.settings.model_path))
+
+    async def pause_generation(self, in_flight: InFlight) -> None:
+        """The gateway has closed every running generation; wait until the worker has finished them
+        (the executor is serial: a no-op runs after everything queued before it)."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+
+    async def load_weights(self, source: WeightSource, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._load_blocking, source, version)
+
+    async def resume_generation(self, *, fresh_kv: bool) -> None:
+        if not fresh_kv:  # keep: the prefix the old weights computed may be reused under the new ones
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._adopt_cache)
+
+    def _adopt_cache(self) -> None:
+        self._cache_version = self.weights_version
+
+    def _load_blocking(self, source: WeightSource, version: int) -> None:
+        started = time.perf_counter()
+        assert source.path is not None  # checked
+        path = Path(source.path)
+        if source.kind == "lora":
+            self._swap_adapter(path)
+        elif source.kind == "model":
+            self._swap_model(path)
+        else:
+            raise WeightUpdateFailed(f"the embedded engine cannot load {source.kind} weights")
+        self.weights_version = version
+        self.swap_seconds = time.perf_counter() - started
+
+    def _swap_adapter(self, path: Path) -> None:
+        lib = self._lib
+        adapter = lib.llama_adapter_lora_init(self._llama.model, str(path).encode())
+        if not adapter:
+            raise WeightUpdateFailed(f"llama.cpp could not load the adapter {path}")
+        adapters = (lib.llama_adapter_lora_p_ctypes * 1)(adapter)
+        scales = (ctypes.c_float * 1)(1.0)
+        if lib.llama_set_adapters_lora(self._llama.ctx, adapters, 1, scales) != 0:
+            lib.llama_adapter_lora_free(adapter)
+            raise WeightUpdateFailed(f"llama.cpp could not set the adapter {path} on the context")
+        old, self._adapter, self.adapter_path = self._adapter, adapter, path
+        if old:  # the context no longer refers to it
+            lib.llama_adapter_lora_free(old)
+
+    def _swap_model(self, path: Path) -> None:
+        try:
+            llama = self._open(path)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise WeightUpdateFailed(f"llama.cpp could not load the model {path}: {exc}") from exc
+        if llama.n_vocab() != self.vocab_size or llama.n_ctx() != self.context_length:
+            llama.close()
+            raise WeightUpdateFailed(f"{path} loaded with another vocabulary size or context length")
+        old, self._llama = self._llama, llama
+        self._free_adapter()  # belongs to the old model, freed before it
+        old.close()
+        self.model_path, self._model_header = path, None
+
+    def _free_adapter(self) -> None:
+        if self._adapter:
+            self._lib.llama_adapter_lora_free(self._adapter)
+        self._adapter, self.adapter_path = None, None
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._free_adapter()
         self._llama.close()
+
+
+def _check_adapter_tensors(path: Path, adapter: GGUFHeader, base: GGUFHeader) -> None:
+    """Every factor pair names a tensor of the model and fits it: A is [in, r], B is [r, out]."""
+    pairs: dict[str, dict[str, Any]] = {}
+    for name, info in adapter.tensors.items():
+        target, _, part = name.rpartition(".")
+        if part not in ("lora_a", "lora_b"):
+            raise WeightUpdateRefused(f"{path}: tensor {name} is not a LoRA factor (.lora_a / .lora_b)")
+        if info.type not in FLOAT_TYPES:
+            raise WeightUpdateRefused(f"{path}: tensor {name} has ggml type {info.type}; F32, F16 or BF16 expected")
+        pairs.setdefault(target, {})[part] = info
+    if not pairs:
+        raise WeightUpdateRefused(f"{path} holds no LoRA tensors")
+    for target, factors in pairs.items():
+        weight = base.tensors.get(target)
+        if weight is None:
+            raise WeightUpdateRefused(f"{path}: the model has no tensor {target}")
+        a, b = factors.get("lora_a"), factors.get("lora_b")
+        if a is None or b is None:
+            raise WeightUpdateRefused(f"{path}: {target} needs both lora_a and lora_b")
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
+            raise WeightUpdateRefused(f"{path}: {target}'s factors {a.shape} and {b.shape} do not multiply")
+        if a.shape[0] != weight.shape[0] or b.shape[1] != weight.shape[1]:
+            raise WeightUpdateRefused(
+                f"{path}: {target}'s factors {a.shape} x {b.shape} do not fit its shape {weight.shape}"
+            )
 
 
 class _GrammarMask:

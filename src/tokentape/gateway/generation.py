@@ -8,11 +8,17 @@ generation the engine failed is marked (`engine_fault`): its tokens are not reco
 A caller that reads only the result (the client did not ask for a stream) gets one delta at the end
 instead of one per token, and when no stop string has to be watched token by token the engine is
 asked for the whole answer in one piece: one upstream answer instead of an event per token, for the
-engine as for the gateway. A weight update that stops running generations (pause with abort) cuts
-them at their next token; such a generation, though, has nothing until its answer is complete, so
-while nothing has come it is withdrawn instead: nothing is recorded, and the caller runs it again once
-generation resumes, streamed from the engine this time, so that a second update cuts it at its next
-token like any other (no request waits through update after update).
+engine as for the gateway.
+
+Weight updates (`gateway.versions`): a generation runs in segments, each pinned to one weights
+version when it is dispatched. An update that lets turns go on (continue, keep) stops the segment at
+a token boundary (or at once while it waits for the engine's next token); once the new weights are
+in, the next segment generates on from the prompt plus every token sampled so far, with what is left
+of max_tokens, through the same stop-string filter and text assembly: one turn, one reply, no token
+lost or doubled. Each segment's tokens become one policy span. An update that aborts ends a streamed
+generation at its next token (finish reason abort); one waiting for its whole answer has shown
+nothing, so it goes on after the update instead, streamed from the engine this time, so that a
+second update cuts it at its next token like any other.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from tokentape.core.reply import ParsedReply, ReplyStream, ToolFormat
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason
 from tokentape.core.text import StopStringFilter, TextAssembler
+from tokentape.core.versions import PolicySpan, add_span
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.errors import EngineFailure
 from tokentape.gateway.calls import TextDelta
+from tokentape.gateway.versions import Pin, VersionGate
 from tokentape.render.tokenizer import Tokenizer
 
 __all__ = ["ENGINE_ATTEMPTS", "ChoiceRun", "ReplyMode"]
@@ -62,12 +70,10 @@ class ChoiceRun:
         mode: ReplyMode | None,
         stop_ids: frozenset[int],
         session_id: str,
-        interrupted: Callable[[], bool],
+        gate: VersionGate,
         on_engine_call: Callable[[], None],
         constraint: Constraint | None = None,
         streamed: bool = True,
-        may_fetch_whole: bool = True,
-        awaiting_whole: set[ChoiceRun] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.index = engine, tokenizer, index
         self.prompt, self.sampling, self.mode = prompt, sampling, mode
@@ -75,15 +81,21 @@ class ChoiceRun:
         # the engine is told every token that ends the turn, so it stops there itself
         self._engine_sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sorted(self.stop_ids)))
         self.streamed = streamed  # False: the caller reads only the result
-        self.whole = may_fetch_whole and not streamed and not sampling.stop  # the engine may answer in one piece
-        self._awaiting_whole = awaiting_whole if awaiting_whole is not None else set()
+        self.whole = not streamed and not sampling.stop  # the engine may answer in one piece
+        self.waiting_whole = False  # waiting for an answer in one piece: nothing has come yet
         self._task: asyncio.Task[Any] | None = None
-        self._withdrawing = False
-        self.withdrawn = False  # stopped before anything came: nothing to record, to be run again
+        self._cutting = False
         self._interrupted_here = False
         self.session_id = session_id
-        self._interrupted = interrupted
+        self.gate = gate
         self._on_engine_call = on_engine_call
+        # weights: the spans of versions over the sampled tokens, and the label of the turn
+        self.spans: list[PolicySpan] = []
+        self.label: str | None = None
+        self.pin: Pin | None = None  # the first segment's
+        self._seamed = False  # the current segment stopped at a seam: the turn goes on
+        self._kv_from: int | None = None  # under keep: the oldest version of the KV the next segment runs on
+        self._span_start = 0
         self.constraint = constraint
         self.tokens: list[SampledToken] = []
         self.text_parts: list[str] = []
@@ -106,11 +118,11 @@ class ChoiceRun:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def withdraw(self) -> None:
-        """Stop a generation that is waiting for its whole answer (its task is cancelled; `stream`
-        ends with `withdrawn` set unless the task was also cancelled for another reason)."""
-        if self._task is not None and not self._withdrawing:
-            self._withdrawing = True
+    def cut(self) -> None:
+        """Stop the segment waiting for the engine's next token now (its task is cancelled; the
+        cancellation is taken back, unless the task was also cancelled for another reason)."""
+        if self._task is not None and not self._cutting:
+            self._cutting = True
             self._task.cancel()
 
     def partial_reply(self) -> ParsedReply:
@@ -132,42 +144,20 @@ class ChoiceRun:
 
     async def stream(self) -> AsyncIterator[TextDelta]:
         held: list[str] = []  # the text so far, for a caller that reads only the result
-        for attempt in range(ENGINE_ATTEMPTS):
+        while True:
+            pin = await self.gate.enter()
+            if self.pin is None:
+                self.pin = pin
             try:
-                self._on_engine_call()
-                self.started_at = time.monotonic()
-                generation = self.engine.generate(
-                    self.prompt,
-                    self._engine_sampling,
-                    seed=self.sampling.choice_seed(self.index),
-                    session_id=self.session_id,
-                    constraint=self.constraint,
-                    whole=self.whole,
-                )
-                async with contextlib.aclosing(generation):
-                    self._withdrawable(self.whole)
-                    try:
-                        async for sample in generation:
-                            self._withdrawable(False)  # something came: from here it can only be cut
-                            text = self._accept(sample)
-                            if not self.streamed:
-                                held.append(text)
-                            elif (event := self._delta(text)) is not None:
-                                yield event
-                            if self._ends_here(sample):
-                                break
-                    except asyncio.CancelledError:
-                        if not self._took_back_withdrawal():
-                            raise
-                        return
-                    finally:
-                        self._withdrawable(False)
+                async for delta in self._segment(pin, held):
+                    yield delta
+            finally:
+                self.gate.leave()
+                self._close_span(pin)
+            if not self._seamed:
                 break
-            except EngineFailure:
-                # before the first token a retry is invisible; after it, it would duplicate the turn
-                if self.tokens or attempt + 1 == ENGINE_ATTEMPTS:
-                    self.engine_fault = True
-                    raise
+            self._seamed = False
+            self.whole = False  # after a seam, streamed from the engine: the next update cuts it at a token
         if self.finish != "stop":
             self.finish = "abort" if self._interrupted_here else "length"
         tail = self._stops.feed(self._assembler.finish()) + self._stops.finish()
@@ -180,6 +170,71 @@ class ChoiceRun:
             self.finish = "tool_calls"
         self.completed = True
 
+    def _close_span(self, pin: Pin) -> None:
+        end = len(self.tokens)
+        if end > self._span_start:
+            if not self.spans:
+                self.label = pin.label
+            add_span(self.spans, pin.version, self._span_start, end, self._kv_from)
+        elif not self.spans:
+            self.label = pin.label  # nothing sampled yet: the latest dispatch's
+        self._span_start = end
+        if self._seamed:
+            last = self.spans[-1] if self.spans else None
+            if self.gate.seam_mode == "keep" and last is not None:
+                self._kv_from = last.kv_version if last.kv_version is not None else last.version
+            elif self.gate.seam_mode != "keep":
+                self._kv_from = None
+
+    async def _segment(self, pin: Pin, held: list[str]) -> AsyncIterator[TextDelta]:
+        """One engine generation under one pinned version, from the prompt plus what was sampled."""
+        prompt, sampling = self.prompt, self._engine_sampling
+        if self.tokens:
+            prompt = [*self.prompt, *(t.token_id for t in self.tokens)]
+            if sampling.max_tokens is not None:
+                sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(self.tokens))
+        for attempt in range(ENGINE_ATTEMPTS):
+            got = 0
+            try:
+                self._on_engine_call()
+                self.started_at = time.monotonic()
+                generation = self.engine.generate(
+                    prompt,
+                    sampling,
+                    seed=self.sampling.choice_seed(self.index),
+                    session_id=self.session_id,
+                    constraint=self.constraint,
+                    whole=self.whole,
+                )
+                async with contextlib.aclosing(generation):
+                    while True:
+                        self._at_engine(True)
+                        try:
+                            sample = await anext(generation)
+                        except StopAsyncIteration:
+                            break
+                        except asyncio.CancelledError:
+                            if not self._took_back_cut():
+                                raise
+                            self._seamed = True  # cut while waiting: nothing of this token came
+                            return
+                        finally:
+                            self._at_engine(False)
+                        got += 1
+                        text = self._accept(sample)
+                        if not self.streamed:
+                            held.append(text)
+                        elif (event := self._delta(text)) is not None:
+                            yield event
+                        if self._ends_here(sample, pin):
+                            break
+                break
+            except EngineFailure:
+                # before the segment's first token a retry is invisible; after it, it would duplicate tokens
+                if got or attempt + 1 == ENGINE_ATTEMPTS:
+                    self.engine_fault = True
+                    raise
+
     def _accept(self, sample: SampledToken) -> str:
         """Keep a sampled token; its text (held back where UTF-8 or a stop string is undecided)."""
         self.last_token_at = time.monotonic()
@@ -189,30 +244,42 @@ class ChoiceRun:
         self._pending.append(sample)
         return self._stops.feed(self._assembler.feed(self.tokenizer.token_bytes(sample.token_id)))
 
-    def _ends_here(self, sample: SampledToken) -> bool:
+    def _ends_here(self, sample: SampledToken, pin: Pin) -> bool:
         if self._stops.stopped or sample.token_id in self.stop_ids:
             self.finish = "stop"
             return True
-        if self._interrupted():  # paused with abort: the weights are changing
+        if self.gate.abort_epoch != pin.abort_epoch:  # paused with abort: the weights are changing
             self._interrupted_here = True
+            return True
+        if self.gate.seam_epoch != pin.seam_epoch and self._room_left():
+            self._seamed = True  # the weights are changing: it goes on once they are in
             return True
         return False
 
-    def _withdrawable(self, waiting: bool) -> None:
-        """Whether a weight update may withdraw this generation now (it waits for its first token)."""
+    def _room_left(self) -> bool:
+        """Whether the turn would sample again (not at max_tokens nor at the end of the context)."""
+        count = len(self.tokens)
+        if self.sampling.max_tokens is not None and count >= self.sampling.max_tokens:
+            return False
+        return len(self.prompt) + count < self.engine.context_length
+
+    def _at_engine(self, waiting: bool) -> None:
+        """Whether an update may cut this generation now (it waits for the engine's next token)."""
         if waiting:
             self._task = asyncio.current_task()
-            self._awaiting_whole.add(self)
-        elif self._task is not None:
-            self._awaiting_whole.discard(self)
+            self.waiting_whole = self.whole and not self.tokens
+            self.gate.at_engine.add(self)
+        else:
+            self.gate.at_engine.discard(self)
             self._task = None
+            self.waiting_whole = False
 
-    def _took_back_withdrawal(self) -> bool:
-        """On a cancellation: whether it was the withdrawal alone (then it is taken back and the
-        generation marked withdrawn); a client that left cancels too, and that one stands."""
+    def _took_back_cut(self) -> bool:
+        """On a cancellation: whether it was the cut alone (then it is taken back); a client that left
+        cancels too, and that one stands."""
         task = asyncio.current_task()
-        if not self._withdrawing or self.tokens or task is None or task.cancelling() > 1:
+        cutting, self._cutting = self._cutting, False
+        if not cutting or task is None or task.cancelling() > 1:
             return False
         task.uncancel()
-        self.withdrawn = True
         return True

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import TurnNode, path_tokens
+from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
@@ -40,6 +40,8 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
+from tokentape.gateway.updates import WeightUpdater
+from tokentape.gateway.versions import VersionGate
 from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
 
@@ -64,6 +66,7 @@ class GatewayStats:
     engine_calls: int  # generations started since the gateway started
     paused: bool
     policy_version: str | None
+    weights_version: int
     engine: dict[str, Any]  # the engine's own account of itself (`describe()`)
 
 
@@ -75,17 +78,14 @@ class Gateway:
         self.admission = Admission(max_waiting)
         self.planner = Planner(renderer)
         self.engine_calls = 0
-        self.policy_version: str | None = None
         # RL clients' choice: a request whose max_tokens passes the context gets the room left (finish
         # `length`) instead of OpenAI's 400; sessions opt in alone with metadata {"max_tokens": "clip"}
         self.clip_max_tokens = False
+        self.gate = VersionGate()  # the weights version, and the generations running against it
+        self.updates = WeightUpdater(self)
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
-        self._running = asyncio.Event()
-        self._running.set()
-        self._abort_epoch = 0  # bumped by pause(abort=True): generations started before it stop
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
-        self._awaiting_whole: set[ChoiceRun] = set()  # generations waiting for an answer in one piece
         self._started = False
         self.metrics = GatewayMetrics()
         self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
@@ -115,6 +115,7 @@ class Gateway:
             engine_calls=self.engine_calls,
             paused=self.paused,
             policy_version=self.policy_version,
+            weights_version=self.gate.version,
             engine=self.engine.describe(),
         )
 
@@ -148,25 +149,39 @@ class Gateway:
 
     # -- weight updates --------------------------------------------------------------------------------
     @property
+    def policy_version(self) -> str | None:
+        """The label recorded on each turn (the weights version as a string, or what resume named)."""
+        return self.gate.label
+
+    @property
     def paused(self) -> bool:
-        return not self._running.is_set()
+        return not self.gate.running.is_set()
+
+    def engines(self) -> list[Engine]:
+        """Every engine whose weights an update changes: a pool's members (`engines`), or the one."""
+        members = getattr(self.engine, "engines", None)
+        return list(members) if isinstance(members, list) else [self.engine]
 
     def pause(self, *, abort: bool) -> None:
         """Hold new generations (their requests wait, they are not rejected); with `abort`, also stop
         the running ones at their next token (recorded with finish reason "abort"). A generation
-        waiting for its answer in one piece has shown nothing yet: it is withdrawn and waits too
-        (runs again, streamed from the engine, once resumed)."""
-        self._running.clear()
+        waiting for its answer in one piece has shown nothing yet: it waits too, and goes on (streamed
+        from the engine) once resumed."""
+        self.gate.hold()
         if abort:
-            self._abort_epoch += 1
-            for run in list(self._awaiting_whole):
-                run.withdraw()
+            self.gate.abort()
 
-    def resume(self, policy_version: str | None) -> None:
-        """Release held generations; what they sample is recorded under `policy_version`."""
+    def resume(self, policy_version: str | int | None) -> None:
+        """Release held generations; what they sample is recorded under `policy_version` (an integer,
+        or a string that is one, also sets the weights version). Refused while engines may hold
+        different weights after a failed update (roll back first)."""
+        self.updates.check_resumable()
         if policy_version is not None:
-            self.policy_version = policy_version
-        self._running.set()
+            self.gate.label = str(policy_version)
+            version = parse_version(policy_version)
+            if version is not None:
+                self.gate.version = version
+        self.gate.release()
 
     # -- requests --------------------------------------------------------------------------------------
     def run(self, call: Call, *, streamed: bool = True) -> AsyncGenerator[Event, None]:
@@ -308,39 +323,30 @@ class Gateway:
         streamed: bool,
     ) -> AsyncGenerator[Event, None]:
         session: Session = ticket.session
-        withdrawn = False
-        while True:
-            await self._running.wait()  # a weight update is in progress: wait, do not fail
-            epoch, version = self._abort_epoch, self.policy_version
-            run = ChoiceRun(
-                self.engine,
-                self.renderer.tokenizer,
-                index,
-                plan.prompt,
-                sampling,
-                mode=plan.reply_mode,
-                stop_ids=self._end_of_turn,
-                session_id=session.id,
-                interrupted=functools.partial(self._aborted_since, epoch),
-                on_engine_call=self._count_engine_call,
-                constraint=constraint,
-                streamed=streamed,
-                may_fetch_whole=not withdrawn,  # once withdrawn, streamed: a second update cuts it
-                awaiting_whole=self._awaiting_whole,
-            )
-            try:
-                async for delta in run.stream():
-                    yield delta
-            finally:
-                self._observe_generation(run)
-                # Record even a cut-short generation: every sampled token stays on the tape.
-                # Not what a failed engine answer sent before it failed: that is not trusted.
-                if (run.tokens or run.completed) and not run.engine_fault:
-                    node = self._record(ticket, plan, run, constraint, trace_id, version)
-                    write = ticket.write(node)
-            if not run.withdrawn:  # withdrawn: nothing came; it runs again once generation resumes
-                break
-            withdrawn = True
+        run = ChoiceRun(
+            self.engine,
+            self.renderer.tokenizer,
+            index,
+            plan.prompt,
+            sampling,
+            mode=plan.reply_mode,
+            stop_ids=self._end_of_turn,
+            session_id=session.id,
+            gate=self.gate,
+            on_engine_call=self._count_engine_call,
+            constraint=constraint,
+            streamed=streamed,
+        )
+        try:
+            async for delta in run.stream():
+                yield delta
+        finally:
+            self._observe_generation(run)
+            # Record even a cut-short generation: every sampled token stays on the tape.
+            # Not what a failed engine answer sent before it failed: that is not trusted.
+            if (run.tokens or run.completed) and not run.engine_fault:
+                node = self._record(ticket, plan, run, constraint, trace_id)
+                write = ticket.write(node)
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
         yield ChoiceDone(index, run.reply, run.text, run.tokens, run.finish, node.id)
@@ -352,7 +358,6 @@ class Gateway:
         run: ChoiceRun,
         constraint: Constraint | None,
         trace_id: str | None,
-        version: str | None,
     ) -> TurnNode:
         session = ticket.session
         rewrites = len(session.tree.rewrites)
@@ -367,7 +372,8 @@ class Gateway:
             request_key=ticket.key,
             request=ticket.request,
             trace_id=trace_id,
-            policy_version=version,
+            policy_version=run.label,
+            policy_spans=tuple(run.spans),
             logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
             template_inputs=plan.template_inputs,
             constrained=constraint is not None,
@@ -378,9 +384,6 @@ class Gateway:
         for rewrite in session.tree.rewrites[rewrites:]:
             self.metrics.rewrite(rewrite.kind)
         return node
-
-    def _aborted_since(self, epoch: int) -> bool:
-        return self._abort_epoch != epoch
 
     def _count_engine_call(self) -> None:
         self.engine_calls += 1

@@ -1,4 +1,13 @@
-"""Operator routes: pause and resume generation around weight updates, and the engine pool."""
+"""Operator routes: weight updates (atomic over every engine), pause and resume, and the engine pool.
+
+POST /admin/weights   {"version": N, "lora": PATH | "model": PATH | "engine_managed": true,
+                       "in_flight": "continue" | "keep" | "abort"}: the phases' durations, or an
+                       error naming the problem (400/409 before anything paused; 502 naming the
+                       engine that failed, the gateway then held until resume or rollback)
+POST /admin/rollback  after a failed update: the current version's weights again on every engine
+POST /admin/pause, /admin/resume: hold and release by hand (resume's policy_version: a label; an
+                       integer, or a string that is one, is also the weights version)
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
+from tokentape.gateway.updates import parse_update
 from tokentape.server.sessions_api import json_object
 
 __all__ = ["add_admin_routes"]
@@ -19,6 +29,9 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         return {
             "paused": stats.paused,
             "policy_version": stats.policy_version,
+            "weights_version": stats.weights_version,
+            "updating": gateway.updates.running,
+            "last_update": gateway.updates.last,
             "requests_active": stats.requests_admitted,
             "engine": stats.engine,
         }
@@ -26,6 +39,18 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/admin/status")
     async def admin_status() -> dict[str, Any]:
         return status()
+
+    @app.post("/admin/weights")
+    async def weights(request: Request) -> dict[str, Any]:
+        """Load new weights on every engine and switch the version, atomically."""
+        update = parse_update(await json_object(request))
+        report = await gateway.updates.update(update)
+        return {**report, "status": status()}
+
+    @app.post("/admin/rollback")
+    async def rollback(request: Request) -> dict[str, Any]:
+        report = await gateway.updates.rollback()
+        return {**report, "status": status()}
 
     @app.post("/admin/pause")
     async def pause(request: Request) -> dict[str, Any]:
@@ -44,7 +69,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         version = data.get("policy_version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
             raise InvalidRequest("policy_version must be a string or an integer", param="policy_version")
-        gateway.resume(None if version is None else str(version))
+        gateway.resume(version)
         return status()
 
     @app.get("/admin/engines")

@@ -36,6 +36,7 @@ from typing import Any, Generic, Literal, TypeVar
 from tokentape.core.outcome import Outcome
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import Origin, Rewrite, TurnNode
+from tokentape.core.versions import spans_from_json, spans_to_json
 from tokentape.errors import StoreFailure
 from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
 
@@ -79,6 +80,7 @@ CREATE TABLE IF NOT EXISTS turns (
     logprob_mode TEXT,
     template_inputs TEXT,
     constrained INTEGER NOT NULL DEFAULT 0,
+    policy_spans TEXT,
     PRIMARY KEY (session_id, id)
 );
 DROP INDEX IF EXISTS turns_by_request;
@@ -88,15 +90,16 @@ CREATE INDEX IF NOT EXISTS sessions_in_order ON sessions (created_at, id);
 _TURN_COLUMNS = (
     "session_id, id, parent, keep, context, context_origin, sampled, logprobs, finish_reason, "
     "prompt_chain, chain, message_count, reply, rewrite, request_key, policy_version, request_no, trace_id, "
-    "logprob_mode, template_inputs, constrained"
+    "logprob_mode, template_inputs, constrained, policy_spans"
 )
-_INSERT_TURN = f"INSERT OR REPLACE INTO turns ({_TURN_COLUMNS}) VALUES ({', '.join('?' * 21)})"
+_INSERT_TURN = f"INSERT OR REPLACE INTO turns ({_TURN_COLUMNS}) VALUES ({', '.join('?' * 22)})"
 _ADDED_TURN_COLUMNS = (  # absent from earlier stores
     ("request_no", "INTEGER"),
     ("trace_id", "TEXT"),
     ("logprob_mode", "TEXT"),
     ("template_inputs", "TEXT"),
     ("constrained", "INTEGER NOT NULL DEFAULT 0"),
+    ("policy_spans", "TEXT"),  # JSON: the weights versions over the sampled tokens (core.versions)
 )
 _SELECT_TURNS = f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_id = ? ORDER BY id"
 
@@ -176,6 +179,7 @@ def _turn_row(session_id: str, node: TurnNode, request_key: bytes | None) -> tup
         node.logprob_mode,
         _inputs_json(node),
         int(node.constrained),
+        spans_to_json(node.policy_spans),
     )
 
 
@@ -228,7 +232,7 @@ def _tree(db: sqlite3.Connection, session_id: str, policy: str, created_at: floa
         for turn in db.execute(_SELECT_TURNS, (session_id,)):
             (_, ident, parent, keep, context, origin, sampled, logprobs, finish) = turn[:9]
             (prompt_chain, chain, count, reply, rewrite, request_key, policy_version, request_no, trace_id) = turn[9:18]
-            logprob_mode, inputs, constrained = turn[18:]
+            logprob_mode, inputs, constrained, spans = turn[18:]
             if parent is not None and not 0 <= parent < len(tree.nodes):
                 raise ValueError(f"turn {ident} points at parent turn {parent}, which is not stored")
             parent_node = tree.nodes[parent] if parent is not None else None
@@ -255,6 +259,7 @@ def _tree(db: sqlite3.Connection, session_id: str, policy: str, created_at: floa
                     logprob_mode=logprob_mode,
                     template_inputs=_inputs_of(inputs, parent_node),
                     constrained=bool(constrained),
+                    policy_spans=spans_from_json(spans),
                 )
             )
     except sqlite3.Error:

@@ -1,0 +1,283 @@
+"""One weight update, atomic over every engine of the gateway.
+
+In order: validate (a version that is new, a known in_flight mode, every engine can do it:
+`check_weights` reads headers, changes nothing; any refusal is a 400/409 before anything is paused);
+hold new generations and stop the running ones at a token boundary (`continue`, `keep`) or end them
+(`abort`), and wait until no generation is in an engine; pause every engine its own way; load the
+weights on every engine; probe each with a fixed prompt; only if all of that succeeded, bump the
+version and resume (dropping every cached prefix unless `keep`). On a failure the version stays, the
+error names the engine and why, and generation stays held until `/admin/resume` (refused while some
+engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
+again). One update at a time: a second one while one runs is refused (409).
+
+Each phase's duration is reported; `paused` is how long new generations were held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import Engine
+from tokentape.engines.weights import (
+    IN_FLIGHT_MODES,
+    InFlight,
+    UpdatableEngine,
+    WeightSource,
+    WeightUpdateFailed,
+    WeightUpdateRefused,
+)
+from tokentape.errors import Conflict, EngineFailure, InvalidRequest
+
+if TYPE_CHECKING:
+    from tokentape.gateway.service import Gateway
+
+__all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
+
+PROBE_TEXT = "The capital of France is"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    version: int
+    source: WeightSource
+    in_flight: InFlight = "continue"
+
+
+class UpdateFailed(EngineFailure):
+    """An engine failed during the update; the version is unchanged and generation stays held."""
+
+    default_code = "weights_update_failed"
+    engine_down = False
+
+
+def parse_update(data: dict[str, Any]) -> WeightUpdate:
+    """The body of `POST /admin/weights`; InvalidRequest naming the field that is wrong."""
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise InvalidRequest("version must be an integer", param="version")
+    given = [key for key in ("lora", "model", "engine_managed") if data.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest('send exactly one of "lora": PATH, "model": PATH, "engine_managed": true', param="lora")
+    kind = given[0]
+    if kind == "engine_managed":
+        if data["engine_managed"] is not True:
+            raise InvalidRequest("engine_managed must be true", param="engine_managed")
+        source = WeightSource("engine_managed")
+    else:
+        path = data[kind]
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest(f"{kind} must be a path", param=kind)
+        source = WeightSource("lora" if kind == "lora" else "model", path)
+    in_flight = data.get("in_flight", "continue")
+    for mode in IN_FLIGHT_MODES:
+        if in_flight == mode:
+            return WeightUpdate(version, source, mode)
+    raise InvalidRequest(f"in_flight must be one of {', '.join(IN_FLIGHT_MODES)}", param="in_flight")
+
+
+def engine_name(index: int, engine: Engine) -> str:
+    url = getattr(engine, "base_url", None)
+    return f"engine {index} ({url})" if url else f"engine {index} ({engine.describe().get('kind')} {engine.model_id})"
+
+
+@dataclass
+class _Failure:
+    """What a failed update left: which engines hold the new weights (none: nothing to roll back)."""
+
+    version: int
+    loaded: list[int] = field(default_factory=list)
+    message: str = ""
+
+
+class WeightUpdater:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.running = False
+        self.history: list[WeightSource | None] = [None]  # the source of each applied version (None: start)
+        self.failure: _Failure | None = None
+        self.last: dict[str, Any] | None = None  # the report of the last update that succeeded
+
+    def _engines(self) -> list[tuple[str, UpdatableEngine]]:
+        out: list[tuple[str, UpdatableEngine]] = []
+        for index, engine in enumerate(self.gateway.engines()):
+            name = engine_name(index, engine)
+            if not isinstance(engine, UpdatableEngine):
+                raise InvalidRequest(f"{name} cannot change its weights under a live gateway", param="version")
+            out.append((name, engine))
+        return out
+
+    def check_resumable(self) -> None:
+        if self.running:
+            raise Conflict("a weight update is running; it resumes generation itself", code="update_in_progress")
+        failure = self.failure
+        if failure is not None and failure.loaded:
+            raise Conflict(
+                f"engines may hold different weights after the failed update to version {failure.version}: "
+                "POST /admin/rollback first",
+                code="weights_mixed",
+            )
+        self.failure = None
+
+    async def update(self, update: WeightUpdate) -> dict[str, Any]:
+        gate = self.gateway.gate
+        if self.running:
+            raise Conflict("a weight update is already running", param="version", code="update_in_progress")
+        if update.version <= gate.version:
+            raise Conflict(
+                f"version {update.version} is not new: the gateway is at version {gate.version}",
+                param="version",
+                code="version_not_new",
+            )
+        if self.failure is not None and self.failure.loaded:
+            raise Conflict(self.failure.message + "; POST /admin/rollback first", code="weights_mixed")
+        self.running = True
+        try:
+            return await self._run(update)
+        finally:
+            self.running = False
+
+    async def _run(self, update: WeightUpdate) -> dict[str, Any]:
+        gate = self.gateway.gate
+        phases: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name] = now - clock
+            clock = now
+
+        engines = self._engines()
+        results = await asyncio.gather(
+            *(engine.check_weights(update.source, update.in_flight) for _, engine in engines), return_exceptions=True
+        )
+        for (name, _), result in zip(engines, results, strict=True):
+            if isinstance(result, WeightUpdateRefused):
+                raise InvalidRequest(f"{name} refuses the update: {result}", param=update.source.kind)
+            if isinstance(result, BaseException):
+                raise result
+        lap("check")
+        held_at = time.perf_counter()
+        was_paused = not gate.running.is_set()
+        gate.hold()
+        if update.in_flight == "abort":
+            gate.abort()
+        else:
+            gate.seam(update.in_flight)
+        await gate.quiet()
+        lap("hold")
+        previous = gate.version
+        loaded: list[int] = []
+        try:
+            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight))
+            lap("pause")
+            await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
+            lap("load")
+            await self._probe(engines)
+            lap("probe")
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
+        except UpdateFailed as exc:
+            message = exc.message
+            if loaded:  # atomic: the engines that took the new weights go back to the current ones
+                try:
+                    await self._restore([engines[i] for i in loaded], previous)
+                    loaded = []
+                    message += f"; the engines that had loaded version {update.version} are back on {previous}"
+                except UpdateFailed as again:
+                    message += f"; putting the old weights back failed too ({again.message})"
+            self.failure = _Failure(update.version, loaded, message)
+            raise UpdateFailed(message) from exc
+        gate.version = update.version
+        gate.label = str(update.version)
+        self.history.append(update.source)
+        self.failure = None
+        if not was_paused:
+            gate.release()
+        lap("resume")
+        paused = time.perf_counter() - held_at
+        report = {
+            "version": update.version,
+            "previous_version": previous,
+            "in_flight": update.in_flight,
+            "kind": update.source.kind,
+            "engines": [{"engine": name, "version": update.version} for name, _ in engines],
+            "phases": {name: round(seconds, 6) for name, seconds in phases.items()},
+            "paused_seconds": round(paused, 6),
+            "still_paused": was_paused,
+        }
+        self.last = report
+        return report
+
+    async def _step(
+        self,
+        engines: Sequence[tuple[str, UpdatableEngine]],
+        phase: str,
+        call: Any,
+        succeeded: list[int] | None = None,
+    ) -> None:
+        results = await asyncio.gather(*(call(engine) for _, engine in engines), return_exceptions=True)
+        failed = []
+        for index, ((name, _), result) in enumerate(zip(engines, results, strict=True)):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                failed.append(f"{name}: {result}")
+            elif succeeded is not None:
+                succeeded.append(index)
+        if failed:
+            version = self.gateway.gate.version
+            raise UpdateFailed(
+                f"the update failed at {phase} on " + "; ".join(failed) + f". The version stays {version}; "
+                "generation stays held until POST /admin/resume or /admin/rollback"
+            )
+
+    async def _probe(self, engines: Sequence[tuple[str, UpdatableEngine]]) -> None:
+        prompt = self.gateway.renderer.tokenizer.encode(PROBE_TEXT)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        async def probe(engine: Any) -> None:  # every engine of the gateway is an Engine too
+            tokens = [t async for t in engine.generate(prompt, params, seed=0)]
+            if len(tokens) != 1 or not math.isfinite(tokens[0].logprob):
+                raise WeightUpdateFailed(f"the probe prompt gave {tokens!r}")
+
+        await self._step(engines, "probe", probe)
+
+    async def _restore(self, engines: Sequence[tuple[str, UpdatableEngine]], version: int) -> None:
+        """Load the weights of `version` (the current one) again on `engines`."""
+        source = self.history[-1]
+
+        def load(engine: UpdatableEngine) -> Any:
+            start = getattr(engine, "start_source", None)
+            weights = source if source is not None else start
+            if not isinstance(weights, WeightSource):
+                raise WeightUpdateFailed("the weights it started with are not known")
+            return engine.load_weights(weights, version)
+
+        await self._step(engines, "restore", load)
+
+    async def rollback(self) -> dict[str, Any]:
+        """After a failed update: load the weights of the current version again on every engine,
+        probe them and resume."""
+        if self.running:
+            raise Conflict("a weight update is running", code="update_in_progress")
+        if self.failure is None:
+            raise Conflict("there is no failed update to roll back", code="nothing_to_roll_back")
+        engines = self._engines()
+        gate = self.gateway.gate
+        started = time.perf_counter()
+        self.running = True
+        try:
+            await self._restore(engines, gate.version)
+            await self._probe(engines)
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=True))
+        finally:
+            self.running = False
+        self.failure = None
+        gate.release()
+        return {"version": gate.version, "seconds": round(time.perf_counter() - started, 6)}

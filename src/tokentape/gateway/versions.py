@@ -1,0 +1,91 @@
+"""The gateway's clock of weights versions and the generations running against it.
+
+Every generation enters through `enter()` (it waits while generation is held, then pins the version
+it will be sampled under, read once) and leaves when its engine stream is closed. A weight update
+holds new generations (`hold`), marks a seam (`seam`: running generations stop at their next token
+boundary, or at once if they are waiting for the engine) and waits until none is in an engine
+(`quiet`), so engines are paused with nothing running on them and no request is ever served while
+engines hold different weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokentape.engines.weights import InFlight
+
+__all__ = ["Cuttable", "Pin", "VersionGate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """What a generation read when it was dispatched: its version, and the epochs it watches."""
+
+    version: int
+    label: str | None
+    seam_epoch: int
+    abort_epoch: int
+
+
+class Cuttable(Protocol):
+    waiting_whole: bool
+
+    def cut(self) -> None: ...
+
+
+class VersionGate:
+    def __init__(self) -> None:
+        self.version = 0
+        self.label: str | None = None  # the free-form label recorded on each turn
+        self.running = asyncio.Event()
+        self.running.set()
+        self.seam_epoch = 0  # bumped by an update that lets turns go on (continue, keep)
+        self.seam_mode: InFlight = "continue"
+        self.abort_epoch = 0  # bumped by an update (or pause) that ends running turns
+        self.at_engine: set[Cuttable] = set()  # generations waiting for the engine's next token
+        self._in_engine = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_engine(self) -> int:
+        return self._in_engine
+
+    async def enter(self) -> Pin:
+        while not self.running.is_set():  # re-checked: a hold may come between the wake-up and here
+            await self.running.wait()
+        self._in_engine += 1
+        self._idle.clear()
+        return Pin(self.version, self.label, self.seam_epoch, self.abort_epoch)
+
+    def leave(self) -> None:
+        self._in_engine -= 1
+        if self._in_engine == 0:
+            self._idle.set()
+
+    def hold(self) -> None:
+        self.running.clear()
+
+    def release(self) -> None:
+        self.running.set()
+
+    def seam(self, mode: InFlight) -> None:
+        """Running generations stop at their next token boundary; those waiting for the engine now."""
+        self.seam_epoch += 1
+        self.seam_mode = mode
+        for run in list(self.at_engine):
+            run.cut()
+
+    def abort(self) -> None:
+        """Running generations end at their next token (finish reason abort); one waiting for its whole
+        answer has shown nothing yet, so it is cut and goes on once generation resumes."""
+        self.abort_epoch += 1
+        for run in list(self.at_engine):
+            if run.waiting_whole:
+                run.cut()
+
+    async def quiet(self) -> None:
+        """Until no generation is in an engine."""
+        await self._idle.wait()

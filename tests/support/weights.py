@@ -1,0 +1,93 @@
+"""Test instruments for weight updates: a pool of engines that all take every update (the gateway
+updates each member), and a stand-in engine that passes the check but refuses the load."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import Constraint, Engine, SampledToken
+from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed
+
+
+class Pool:
+    """Generates on its first member; the gateway updates every member (`engines`)."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+
+    @property
+    def model_id(self) -> str:
+        return str(self.engines[0].model_id)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.engines[0].context_length)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
+    ) -> AsyncGenerator[SampledToken, None]:
+        first: Engine = self.engines[0]
+        return first.generate(prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "pool", "tokens_generated": 0}
+
+    async def close(self) -> None:
+        return None
+
+
+class RefusingEngine:
+    """Accepts every check and pause, fails every load after `loads_ok` successful ones; records the
+    steps it was asked for."""
+
+    def __init__(self, *, loads_ok: int = 0) -> None:
+        self.model_id = "refusing"
+        self.context_length = 1024
+        self.loads_ok = loads_ok
+        self.steps: list[str] = []
+        self.version = 0
+        self.start_source = WeightSource("model", "/nonexistent/start.gguf")
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
+    ) -> AsyncGenerator[SampledToken, None]:
+        self.steps.append("generate")
+        yield SampledToken(2, -0.5)
+
+    async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None:
+        self.steps.append("check")
+
+    async def pause_generation(self, in_flight: InFlight) -> None:
+        self.steps.append("pause")
+
+    async def load_weights(self, source: WeightSource, version: int) -> None:
+        self.steps.append(f"load {version}")
+        if self.loads_ok <= 0:
+            raise WeightUpdateFailed("the stand-in refuses to load weights")
+        self.loads_ok -= 1
+        self.version = version
+
+    async def resume_generation(self, *, fresh_kv: bool) -> None:
+        self.steps.append("resume")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "refusing", "tokens_generated": 0}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,86 @@
+"""A failing engine makes the whole update fail: every engine stays on (or goes back to) the old
+weights, the version is unchanged, nothing is served in between, and the error names the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.weights import Pool, RefusingEngine
+from tests.weights.reference import cold_greedy
+from tests.weights.test_embedded_weights import greedy_turn
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.server.app import create_app
+
+
+@pytest.fixture
+async def pair(fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer) -> tuple[Gateway, RefusingEngine]:
+    stand_in = RefusingEngine()
+    return Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry()), stand_in
+
+
+async def test_a_refused_load_leaves_every_engine_on_the_old_weights_and_serves_nothing(
+    pair: tuple[Gateway, RefusingEngine], own_engine: LlamaCppEngine, model_path: Path, adapters: list[Path]
+) -> None:
+    gateway, stand_in = pair
+    app = create_app(gateway, model_id="smollm2")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
+        answer = await admin.post("/admin/weights", json={"version": 1, "lora": str(adapters[0])})
+        assert answer.status_code == 502, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "weights_update_failed"
+        assert "at load on engine 1 (refusing refusing): the stand-in refuses" in error["message"]
+        assert "back on 0" in error["message"]  # the embedded engine had loaded it: restored
+        assert stand_in.steps == ["check", "pause", "load 1"]  # it failed: nothing to put back there
+        assert (own_engine.weights_version, own_engine.adapter_path) == (0, None)
+        state = (await admin.get("/admin/status")).json()
+        assert (state["paused"], state["weights_version"]) == (True, 0)
+
+        # held, not served, until resumed
+        turn = asyncio.create_task(greedy_turn(gateway, "held"))
+        await asyncio.sleep(0.3)
+        assert not turn.done() and own_engine.waiting == 0
+        assert (await admin.post("/admin/resume", json={})).status_code == 200
+        prompt, tokens, logprobs = await asyncio.wait_for(turn, 60)
+    stop = gateway.renderer.tokenizer.end_of_turn_ids
+    assert (tokens, logprobs) == cold_greedy(model_path, prompt, len(tokens), stop=stop)  # the base weights
+    (node,) = (await gateway.sessions.get("held")).tree.leaves
+    assert [s.version for s in node.policy_spans] == [0]
+
+
+async def test_when_restoring_fails_too_resume_is_refused_until_a_rollback(
+    pair: tuple[Gateway, RefusingEngine], own_engine: LlamaCppEngine, adapters: list[Path]
+) -> None:
+    gateway, stand_in = pair
+    stand_in.loads_ok = 1  # it takes the new weights, then cannot go back; the embedded engine fails
+    gateway.engine = Pool([stand_in, own_engine])
+    original = own_engine.load_weights
+
+    async def failing_load(source: object, version: int) -> None:
+        raise RuntimeError("disk gone")
+
+    own_engine.load_weights = failing_load  # type: ignore[method-assign,assignment]
+    try:
+        app = create_app(gateway, model_id="smollm2")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
+            answer = await admin.post("/admin/weights", json={"version": 3, "lora": str(adapters[0])})
+            assert answer.status_code == 502
+            message = answer.json()["error"]["message"]
+            assert "at load on engine 1 (llama.cpp" in message and "disk gone" in message
+            assert "putting the old weights back failed too" in message and stand_in.version == 3
+            resumed = await admin.post("/admin/resume", json={})
+            assert resumed.status_code == 409 and resumed.json()["error"]["code"] == "weights_mixed"
+            own_engine.load_weights = original  # type: ignore[method-assign]
+            stand_in.loads_ok = 1
+            rolled = await admin.post("/admin/rollback", json={})
+            assert rolled.status_code == 200, rolled.text
+            state = rolled.json()["status"]
+            assert (state["paused"], state["weights_version"], stand_in.version) == (False, 0, 0)
+    finally:
+        own_engine.load_weights = original  # type: ignore[method-assign]
