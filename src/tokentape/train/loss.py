@@ -1,0 +1,183 @@
+"""From exported sessions to a policy-gradient loss: token IDs, loss mask and logprobs as the tape
+recorded them (no tokenizer), group-normalised advantages, token-level truncated importance weights.
+
+Per sampled token t of an episode with advantage A:
+
+    w_t    = min(exp(logp_trainer_old(t) - logp_engine(t)), clip)     # TIS, no gradient
+    loss   = -sum_t w_t * A * logp_trainer(t) / (sampled tokens in the batch)
+
+`logp_trainer_old` is the trainer's policy before this update (one optimizer step per batch, so it
+is the current parameters, detached): w corrects for what the engine sampled under slightly different
+numerics (or older weights) than the trainer computes. What enters the loss:
+
+- **sampled tokens only**: the tape's loss mask; prompts, tool results and turn closes are never
+  trained on.
+- **constrained turns** (`constrained`: a grammar masked the engine's distribution, its logprobs are
+  of that masked distribution, which the trainer cannot recompute) are left out of the loss.
+- **stale turns** (sampled under a policy version older than `max_staleness` versions behind the
+  trainer's) are left out; newer off-policy turns are kept, weighted by w against the logprobs the
+  engine recorded for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Batch", "Sample", "advantages", "build_batch", "loss_and_metrics", "samples_from_export", "token_logprobs"]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One exported branch, as the trainer uses it."""
+
+    session_id: str
+    group_id: str
+    tokens: list[int]
+    mask: list[bool]  # trained on: sampled, not constrained, not stale
+    engine_logprobs: list[float]  # 0.0 where not sampled
+    reward: float
+    versions: list[int | None]  # per token: the policy version that sampled it (None off the mask)
+    dropped: dict[str, int] = field(default_factory=dict)  # sampled tokens left out, by reason
+
+
+def samples_from_export(
+    export: dict[str, Any], *, version: int | None = None, max_staleness: int = 1, logprob_mode: str | None = None
+) -> list[Sample]:
+    """The branches of one exported session (tokentape format). `version`: the trainer's policy
+    version now, for staleness; `logprob_mode`: the mode the trainer recomputes (checked)."""
+    samples = []
+    for branch in export["branches"]:
+        if logprob_mode is not None:
+            modes = {m for m in branch["logprob_modes"] if m is not None}
+            if modes - {logprob_mode}:
+                raise ValueError(f"session {export['session_id']}: logprobs are {sorted(modes)}, not {logprob_mode}")
+        tokens = list(branch["tokens"])
+        mask = [bool(m) for m in branch["loss_mask"]]
+        versions: list[int | None] = [None] * len(tokens)
+        dropped = {"constrained": 0, "stale": 0}
+        for (start, end), constrained, turn_version in zip(
+            branch["action_ranges"], branch["constrained"], branch["policy_versions"], strict=True
+        ):
+            number = _version_number(turn_version)
+            stale = version is not None and number is not None and version - number > max_staleness
+            for i in range(start, end):
+                versions[i] = number
+                if mask[i] and (constrained or stale):
+                    mask[i] = False
+                    dropped["constrained" if constrained else "stale"] += 1
+        reward = branch.get("reward")
+        samples.append(
+            Sample(
+                session_id=str(export["session_id"]),
+                group_id=str(export.get("summary", {}).get("group_id") or export["session_id"]),
+                tokens=tokens,
+                mask=mask,
+                engine_logprobs=[0.0 if lp is None else float(lp) for lp in branch["logprobs"]],
+                reward=0.0 if reward is None else float(reward),
+                versions=versions,
+                dropped=dropped,
+            )
+        )
+    return samples
+
+
+def _version_number(version: Any) -> int | None:
+    """A turn's weights version: None (recorded before any update) is version 0, the base weights."""
+    if version is None:
+        return 0
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return None
+
+
+def advantages(samples: Sequence[Sample], eps: float = 1e-6) -> list[float]:
+    """GRPO: each reward minus its group's mean, over the group's standard deviation (0 for a group
+    whose rewards are all equal: it teaches nothing)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        groups[s.group_id].append(s.reward)
+    result = []
+    for s in samples:
+        rewards = groups[s.group_id]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        result.append((s.reward - mean) / (std + eps) if std > 0 else 0.0)
+    return result
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: Any  # LongTensor [B, T], right-padded
+    attention: Any  # [B, T]
+    mask: Any  # float [B, T]: 1 where the token at t is trained on (its logprob comes from t-1)
+    engine_logprobs: Any  # float [B, T]
+    advantages: Any  # float [B]
+
+
+def build_batch(samples: Sequence[Sample], pad_id: int = 0) -> Batch:
+    import torch
+
+    length = max(len(s.tokens) for s in samples)
+    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(samples), length), dtype=torch.long)
+    mask = torch.zeros((len(samples), length))
+    engine = torch.zeros((len(samples), length))
+    for row, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[row, :n] = torch.tensor(s.tokens)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(s.mask, dtype=torch.float32)
+        engine[row, :n] = torch.tensor(s.engine_logprobs)
+    mask[:, 0] = 0.0  # the first token has no context to predict it from
+    return Batch(ids, attention, mask, engine, torch.tensor(advantages(samples)))
+
+
+def token_logprobs(model: Any, batch: Batch, temperature: float) -> Any:
+    """log p(token_t | tokens_<t) at the engine's temperature where the batch trains on token t, [B, T]
+    (0 elsewhere). The LM head runs on those positions only: sampled tokens are a fraction of a
+    sequence, and the head (49k-token vocabulary) is most of the cost."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention).last_hidden_state
+    positions = batch.mask[:, 1:].bool()  # token t is predicted from position t - 1
+    logits = base.lm_head(hidden[:, :-1][positions]).float() / temperature
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:][positions][:, None])[:, 0]
+    full = torch.zeros(positions.shape, dtype=picked.dtype).masked_scatter(positions, picked)
+    return torch.nn.functional.pad(full, (1, 0))
+
+
+def loss_and_metrics(trainer_logprobs: Any, batch: Batch, clip: float) -> tuple[Any, dict[str, float]]:
+    """The TIS policy-gradient loss and the engine/trainer mismatch on the trained tokens."""
+    import torch
+
+    mask = batch.mask
+    count = mask.sum().clamp(min=1.0)
+    on = mask.bool()
+    old = trainer_logprobs.detach()
+    log_ratio = old - batch.engine_logprobs  # trainer over engine, per sampled token
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=clip)
+    loss = -(weight * batch.advantages[:, None] * trainer_logprobs * mask).sum() / count
+    difference = (old - batch.engine_logprobs).abs()[on]
+    if difference.numel() == 0:
+        raise ValueError("no sampled token to train on: check the loss mask")
+    # k3 estimator of KL(engine || trainer) from tokens the engine sampled: r - 1 - log r, r = p_t / p_e
+    k3 = (ratio - 1.0 - log_ratio)[on]
+    metrics = {
+        "tokens": float(count),
+        "logprob_diff_mean": float(difference.mean()),
+        "logprob_diff_max": float(difference.max()),
+        "kl_k3": float(k3.mean()),
+        "ratio_min": float(ratio[on].min()),
+        "ratio_mean": float(ratio[on].mean()),
+        "ratio_max": float(ratio[on].max()),
+        "clipped_share": float((ratio[on] > clip).float().mean()),
+        "loss": float(loss.detach()),
+    }
+    return loss, metrics
