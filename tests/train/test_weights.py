@@ -1,0 +1,83 @@
+"""The same weights on both sides: the F32 copy of the embedded GGUF and the trainer's torch model give
+the same logprobs to rounding (llama.cpp with an F32 KV cache); the shipped Q4_1 does not; a peft LoRA
+written as a llama.cpp adapter GGUF moves llama.cpp's logprobs exactly as it moves the trainer's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+gguf = pytest.importorskip("gguf")
+
+from tokentape.runtime import embedded_model_path  # noqa: E402
+from tokentape.train.weights import add_lora, f32_gguf, load_model, write_lora_gguf  # noqa: E402
+
+# a rendered chat: system, user, assistant (token IDs of the embedded model's vocabulary)
+TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
+TOKENS += [198, 1, 4093, 198, 5820, 253, 7302, 30, 2, 198, 1, 520, 9531, 198, 504, 37576, 42, 29902, 593, 376, 731]
+
+
+def trainer_logprobs(model: Any) -> np.ndarray[Any, Any]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([TOKENS])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
+
+
+def engine_logprobs(path: Path, lora: Path | None = None) -> np.ndarray[Any, Any]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), lora_path=None if lora is None else str(lora), n_ctx=128, logits_all=True,
+        type_k=0, type_v=0, verbose=False, n_threads=1,
+    )  # fmt: skip
+    llm.eval(TOKENS)
+    logits = np.array(llm.scores[: len(TOKENS) - 1], dtype=np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    logprobs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    llm.close()
+    return logprobs[np.arange(len(TOKENS) - 1), TOKENS[1:]]
+
+
+@pytest.fixture(scope="module")
+def f32() -> Path:
+    return f32_gguf(embedded_model_path())
+
+
+def test_the_f32_copy_and_the_trainer_agree_the_q4_1_file_does_not(f32: Path) -> None:
+    reader = gguf.GGUFReader(str(f32))
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    source = gguf.GGUFReader(str(embedded_model_path()))
+    assert reader.fields["tokenizer.chat_template"].contents() == source.fields["tokenizer.chat_template"].contents()
+    assert f32_gguf(embedded_model_path()) == f32  # cached
+
+    model = load_model(f32)
+    ours = trainer_logprobs(model)
+    exact = np.abs(engine_logprobs(f32) - ours)
+    assert exact.mean() < 1e-4 and exact.max() < 1e-3  # measured: 4.8e-6 and 3.1e-5
+    quantized = np.abs(engine_logprobs(embedded_model_path()) - ours)
+    assert quantized.mean() > 100 * exact.mean()  # measured: 0.08 mean, 0.42 max
+
+    lora = add_lora(model, rank=4, alpha=8.0, seed=1)
+    for name, parameter in lora.named_parameters():
+        if "lora_B" in name:  # B starts at zero; give the adapter something to do
+            parameter.data.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    adapter = write_lora_gguf(lora, Path(f32.parent / "test-adapter.gguf"))
+    meta = gguf.GGUFReader(str(adapter))
+    assert meta.fields["general.type"].contents() == "adapter"
+    assert meta.fields["adapter.type"].contents() == "lora"
+    assert meta.fields["adapter.lora.alpha"].contents() == pytest.approx(8.0)
+    names = {t.name for t in meta.tensors}
+    assert "blk.0.attn_v.weight.lora_a" in names and "blk.29.ffn_down.weight.lora_b" in names
+    assert not any("attn_q" in n or "attn_k" in n for n in names)  # GGUF permutes q/k rows: left out
+
+    adapted = trainer_logprobs(lora)
+    moved = np.abs(adapted - ours).mean()
+    agreement = np.abs(engine_logprobs(f32, adapter) - adapted)
+    assert agreement.mean() < 1e-4 and agreement.max() < 1e-3
+    assert moved > 100 * agreement.mean()
+    adapter.unlink()
