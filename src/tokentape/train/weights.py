@@ -80,6 +80,12 @@ def load_model(path: Path) -> Any:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     model.eval()  # type: ignore[no-untyped-call]
+    # the weights are dequantized float32 tensors: nothing of the file's quantization remains, but the
+    # loader marks the model as GGUF-quantized, which trainers (transformers' Trainer) refuse to train
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     return model
 
 
