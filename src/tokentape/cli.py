@@ -333,7 +333,7 @@ def train(
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps (one batch of rollouts each).")] = 20,
     groups: Annotated[int, typer.Option(min=1, help="Tasks per step.")] = 4,
     group_size: Annotated[int, typer.Option(min=2, help="Episodes per task (GRPO group).")] = 4,
-    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA.")] = 5e-4,
+    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA.")] = 1e-3,
     rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 8,
     clip: Annotated[float, typer.Option(help="Truncated importance weight: min(p_trainer / p_engine, clip).")] = 2.0,
     temperature: Annotated[

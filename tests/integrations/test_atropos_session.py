@@ -62,11 +62,11 @@ async def test_nodes_come_from_the_replies_and_equal_the_export(gateway: Gateway
         await local.aclose()
 
 
-async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: Gateway, hf_dir: Path) -> None:
-    hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: Gateway) -> None:
     local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
     try:
-        async with TokentapeServerManager(local).managed_server(tokenizer=hf) as managed:
+        # no tokenizer given: full_text is the gateway's, detokenized a call's new tokens at a time
+        async with TokentapeServerManager(local).managed_server() as managed:
             messages: list[dict[str, Any]] = [{"role": "user", "content": FILLER}]
             replies = []
             for _ in range(4):
@@ -81,6 +81,8 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
             assert [r.choices[0].message.content for r in replies[1:]] == ["", "", ""]
             (node,) = managed.get_state()["nodes"]
             assert node.metadata["status"] == "context_full" and len(node.tokens) == gateway.engine.context_length
+            whole = (await local.http.post("/detokenize", json={"tokens": node.tokens})).json()["prompt"]
+            assert node.full_text == whole
             await managed.set_scores([0.0])
         summary = (await local.http.get(f"/sessions/{managed.session_id}")).json()
         assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 1

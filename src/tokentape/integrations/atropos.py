@@ -92,6 +92,7 @@ class _Branch:
     ends: list[int]  # where each of its turns' sampled tokens end: the points a later call may fork from
     finish_reasons: list[str | None]
     order: tuple[int, ...]  # its turns, numbered in the order they were made (the export's order)
+    texts: list[str] | None = None  # without a tokenizer: the gateway's text up to each of `ends`
     text: str | None = None  # detokenized on demand, once
 
 
@@ -227,6 +228,7 @@ class ManagedSession:
             sampled = list(choice.token_ids)
             self._turns += 1
             order: tuple[int, ...] = ()
+            k = 0  # the parent's turns this branch shares
             if parent is None:
                 head_tokens, head_mask, head_logprobs, ends, reasons = [], [], [], [], []
             else:
@@ -242,9 +244,12 @@ class ManagedSession:
                 finish_reasons=[*reasons, choice.finish_reason],
                 order=(*order, self._turns),
             )
-            if self.tokenizer is None:  # no tokenizer here: the gateway's, for the new branch alone
-                response = await self.gateway.http.post("/detokenize", json={"tokens": branch.tokens})
-                branch.text = str(response.json()["prompt"])
+            if self.tokenizer is None:  # no tokenizer here: the gateway's, for the new tokens alone
+                texts = parent.texts[:k] if parent is not None and parent.texts else []
+                new = prompt[len(head_tokens) :] + sampled
+                response = await self.gateway.http.post("/detokenize", json={"tokens": new})
+                branch.texts = [*texts, (texts[-1] if texts else "") + str(response.json()["prompt"])]
+                branch.text = branch.texts[-1]
             self._branches.append(branch)
         if parent is not None and cut == parent.ends[-1]:  # the branch went on: its old end is no leaf now
             self._branches.remove(parent)

@@ -34,7 +34,7 @@ class TrainConfig:
     steps: int = 20
     groups: int = 4  # tasks per step
     group_size: int = 4  # episodes per task (GRPO group)
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-3
     rank: int = 8
     lora_layers: int | None = 10  # the last N blocks carry the LoRA (None: all): the backward stops there
     alpha: float = 16.0
