@@ -40,7 +40,7 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
-from tokentape.gateway.updates import WeightUpdater
+from tokentape.gateway.updates import WeightUpdater, parse_update
 from tokentape.gateway.versions import VersionGate
 from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
@@ -158,6 +158,22 @@ class Gateway:
         """Every engine whose weights an update changes: a pool's members (`engines`), or the one."""
         members = getattr(self.engine, "engines", None)
         return list(members) if isinstance(members, list) else [self.engine]
+
+    async def update_weights(
+        self,
+        version: int,
+        *,
+        lora: str | None = None,
+        model: str | None = None,
+        engine_managed: bool = False,
+        in_flight: str = "continue",
+    ) -> dict[str, Any]:
+        """Load new weights on every engine and switch to `version`, atomically (as `POST /admin/weights`):
+        the report of each phase's duration, or InvalidRequest/Conflict before anything was paused,
+        or UpdateFailed naming the engine (the gateway then stays held until resume or rollback)."""
+        body: dict[str, Any] = {"version": version, "in_flight": in_flight}
+        body.update({"lora": lora, "model": model, "engine_managed": engine_managed or None})
+        return await self.updates.update(parse_update(body))
 
     def pause(self, *, abort: bool) -> None:
         """Hold new generations (their requests wait, they are not rejected); with `abort`, also stop
