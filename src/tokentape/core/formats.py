@@ -13,7 +13,11 @@ One branch is one sample (`merged`); `stepwise` makes one sample per turn. Per f
   `completion_mask` (1 on sampled tokens, 0 on bridges: tool results and user turns are in the
   completion but not trained), `completion_logprobs` (0.0 where the mask is 0).
 - stepwise: per turn, `prompt_ids` = everything the model saw, `completion_ids` = what it sampled,
-  with that turn's reward if one was set, else the branch's.
+  with that turn's reward if one was set, else the branch's, and `completion_versions`.
+
+Every format carries the weights versions (`core.versions.version_fields`): `versions` per token
+(AReaL; -1 where nothing was sampled), `param_version_start` / `param_version_end` (verl) and
+`policy_spans` per turn; OpenRLHF and Atropos rows carry them as extra fields (Atropos: per member).
 
 Bridge tokens have no place of their own in openrlhf/atropos/verifiers: they sit in the observation,
 masked out. Rewrites are listed in the tokentape format only; under the `fork` policy a rewrite is a
@@ -29,6 +33,7 @@ from typing import Any, Literal
 from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import BranchView
+from tokentape.core.versions import node_versions, version_fields
 from tokentape.errors import InvalidRequest
 
 __all__ = ["FORMATS", "Format", "Sample", "samples_of", "format_rows", "check_format"]
@@ -57,6 +62,10 @@ class Sample:
     def reward(self) -> float | None:
         return self.tree.outcome.branch_reward(self.branch.leaf.id)
 
+    def versions_of(self, node: Any) -> list[int]:
+        """The version of each sampled token of one turn on this branch (-1: not known)."""
+        return [-1 if v is None else v for v in node_versions(node)]
+
     def head(self) -> dict[str, Any]:
         outcome = self.tree.outcome
         return {
@@ -70,6 +79,8 @@ class Sample:
             "policy_versions": [node.policy_version for node in self.branch.nodes],  # one per turn
             # one per turn: sampled under a constraint, so its logprobs are not the free policy's
             "constrained": [node.constrained for node in self.branch.nodes],
+            # weights versions: per token (AReaL), oldest/newest (verl), per-turn spans
+            **version_fields(self.branch),
         }
 
 
@@ -126,6 +137,7 @@ def _stepwise(sample: Sample) -> list[dict[str, Any]]:
                 "turn_id": node.id,
                 "reward": turn_rewards.get(node.id, sample.reward),
                 "policy_version": node.policy_version,
+                "completion_versions": sample.versions_of(node)[: end - start],
                 "constrained": node.constrained,
                 "prompt_ids": branch.tokens[:start],
                 "completion_ids": branch.tokens[start:end],
@@ -142,6 +154,7 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
         groups.setdefault(sample.tree.outcome.group_id or f"session:{sample.tree.session_id}", []).append(sample)
     rows = []
     for group_id, members in groups.items():
+        versions = [version_fields(m.branch) for m in members]
         rows.append(
             {
                 "schema_version": EXPORT_SCHEMA_VERSION,
@@ -158,6 +171,10 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                 ],
                 "scores": [m.reward for m in members],
                 "policy_versions": [[node.policy_version for node in m.branch.nodes] for m in members],
+                "versions": [fields["versions"] for fields in versions],
+                "param_version_start": [fields["param_version_start"] for fields in versions],
+                "param_version_end": [fields["param_version_end"] for fields in versions],
+                "policy_spans": [fields["policy_spans"] for fields in versions],
                 "constrained": [[node.constrained for node in m.branch.nodes] for m in members],
             }
         )
