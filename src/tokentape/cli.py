@@ -83,6 +83,21 @@ def serve(
             "X-Tokentape-Prefix-Match says which)."
         ),
     ] = False,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            help="A session whose first sampled token is more than this many weights versions old takes no "
+            "new turns (409 session_stale; its data stays exportable, marked stale). A session's own "
+            "metadata.max_staleness overrides it."
+        ),
+    ] = None,
+    admit_per_version: Annotated[
+        int | None,
+        typer.Option(
+            help="Admit new groups (sessions of one group_id) only while at most (max_staleness + version + 1) "
+            "x this many were admitted since version 0; others get 429 with Retry-After."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
     ray: Annotated[
         str | None,
@@ -142,6 +157,10 @@ def serve(
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
     gateway, name = build_gateway(settings)
+    if max_staleness is not None or admit_per_version is not None:
+        from tokentape.core.staleness import Staleness
+
+        gateway.set_staleness(Staleness(max_staleness, admit_per_version))
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
         f"(sessions: /sessions/<id>/v1; store: {store}"

@@ -21,12 +21,13 @@ from typing import Any
 
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
+from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
-from tokentape.errors import ContextOverflow, InvalidRequest, Overloaded
+from tokentape.errors import Conflict, ContextOverflow, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
     ChatCall,
@@ -80,6 +81,9 @@ class Gateway:
         self.engine_calls = 0
         self.gate = VersionGate()  # the weights version, and the generations running against it
         self.updates = WeightUpdater(self)
+        self.staleness = Staleness()
+        self.group_admission: GroupAdmission | None = None
+        self.admission_retry_after = 5.0
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
@@ -224,6 +228,7 @@ class Gateway:
                     for event in replayed:
                         yield event
                     return
+            await self._check_staleness(session)
             try:
                 ticket.claim()
             except Overloaded:
@@ -254,6 +259,46 @@ class Gateway:
                 async with contextlib.aclosing(choice):
                     async for event in choice:
                         yield event
+
+    async def _check_staleness(self, session: Session) -> None:
+        """A session too old for the policy takes no new turns (marked stale, still exportable); a new
+        group waits for room under admission control (429 with Retry-After)."""
+        tree = session.tree
+        limit = self.staleness.max_staleness
+        own = tree.outcome.metadata.get("max_staleness")  # set per session at creation
+        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+            limit = own
+        first = first_version(tree.nodes)
+        if is_stale(first, self.gate.version, limit):
+            if tree.outcome.metadata.get("stale") is not True:
+                tree.outcome.metadata["stale"] = True
+                await self.sessions.persist(session)
+            raise Conflict(
+                f"session {session.id!r} began under version {first}; the policy is at version "
+                f"{self.gate.version} and max_staleness is {limit}",
+                param="session_id",
+                code="session_stale",
+            )
+        if self.group_admission is not None and not tree.nodes:
+            group = tree.outcome.group_id or f"session:{tree.session_id}"
+            if not self.group_admission.admit(group, self.gate.version):
+                wait = self.group_admission.versions_to_wait(self.gate.version)
+                refused = Overloaded(
+                    f"admitting group {group!r} would exceed (max_staleness + version + 1) x admit_per_version "
+                    f"groups; {wait} more version(s) needed",
+                    retry_after=self.admission_retry_after,
+                )
+                refused.code = "admission_closed"
+                raise refused
+
+    def set_staleness(self, staleness: Staleness, *, retry_after: float = 5.0) -> None:
+        """Bound staleness (`--max-staleness`) and admit new groups in AReaL's form (`--admit-per-version`)."""
+        self.staleness = staleness
+        per_version = staleness.admit_per_version
+        self.group_admission = None
+        if per_version is not None:
+            self.group_admission = GroupAdmission(staleness.max_staleness or 0, per_version)
+        self.admission_retry_after = retry_after
 
     async def _ticket(self, call: Call) -> Ticket:
         """Open the request's session (read from the store only if it is not in memory) and hold it
