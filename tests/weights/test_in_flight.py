@@ -92,7 +92,8 @@ async def test_abort_ends_the_turn_at_the_update(
     turn = asyncio.create_task(_run(gateway, _call("a"), True))
     await asyncio.wait_for(stepper.reached.wait(), 60)
     update = asyncio.create_task(gateway.update_weights(1, lora=str(adapters[0]), in_flight="abort"))
-    await asyncio.sleep(0.05)
+    while not gateway.paused:  # past its check: generation held, running turns told to end
+        await asyncio.sleep(0.005)
     stepper.gate.set()  # the held token comes; the turn ends after it
     await asyncio.wait_for(update, 60)
     done = (await asyncio.wait_for(turn, 60))[-1]

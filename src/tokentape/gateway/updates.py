@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
-PROBE_TEXT = "The capital of France is"
+PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
 @dataclass(frozen=True, slots=True)
