@@ -327,15 +327,21 @@ class RemoteEngine:
                 response.close()
 
     async def _call(
-        self, method: str, path: str, *, body: object = None, params: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: object = None,
+        params: dict[str, str] | None = None,
+        timeout: float = CONTROL_TIMEOUT,
     ) -> object:
-        """A control call (pause, load, resume...) on the control pool, with its own longer timeout;
-        its JSON answer (None when it has no body or no JSON). Errors mapped like a generation's."""
-        with exchange_errors(self.base_url, sending=True, head_timeout=CONTROL_TIMEOUT):
-            async with asyncio.timeout(CONTROL_TIMEOUT):
+        """A control call (pause, load, resume...) on the control pool, with its own timeout; its JSON
+        answer (its text when it is no JSON, None when it is empty). Errors mapped like a generation's."""
+        with exchange_errors(self.base_url, sending=True, head_timeout=timeout):
+            async with asyncio.timeout(timeout):
                 session = self.control.session()
                 async with session.request(
-                    method, path, json=body, params=params, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT)
+                    method, path, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout)
                 ) as response:
                     raw = await response.read()
                     if response.status >= 400:
