@@ -53,6 +53,7 @@ class Stand:
     enable_lora: bool = True  # SGLang: --enable-lora
     schema: bool = True  # /openapi.json is served
     refuse: dict[str, tuple[int, Any]] = field(default_factory=dict)  # route -> (status, body) answered instead
+    adapters: list[str] = field(default_factory=list)  # vLLM: loaded adapters, listed among its models
     calls: list[Call] = field(default_factory=list)
     generation: FakeState = field(default_factory=FakeState)
 
@@ -120,9 +121,15 @@ class Stand:
                 return JSONResponse({"version": self.version})
             return JSONResponse({"version": self.version, "enable_lora": self.enable_lora, "lora_paths": None})
 
+        async def models(request: Request) -> Response:
+            listed = [{"id": "fake-model", "object": "model", "max_model_len": 4096}]
+            listed += [{"id": name, "object": "model", "parent": "fake-model"} for name in self.adapters]
+            return JSONResponse({"object": "list", "data": listed})
+
         control_routes = [Route(path, control, methods=["POST"]) for path in self.routes()]
         return Starlette(
             routes=[
+                Route("/v1/models", models),
                 *generation.routes,
                 *control_routes,
                 Route("/openapi.json", schema),
@@ -166,6 +173,13 @@ def test_the_remote_adapters_offer_the_seam() -> None:
 @pytest.mark.parametrize("source", [LORA, MODEL, MANAGED], ids=["lora", "model", "engine_managed"])
 async def test_vllm_calls_in_order(vllm: tuple[VLLMEngine, Stand], source: WeightSource, in_flight: InFlight) -> None:
     engine, stand = vllm
+    if source.kind == "lora" and in_flight == "keep":
+        # requests paused in place run on under the adapter they were sent with: none, before the first
+        with pytest.raises(WeightUpdateRefused, match="the first adapter cannot be swapped in under requests paused"):
+            await engine.check_weights(source, in_flight)
+        assert stand.calls == []
+        await _update(engine, source, "continue", version=6)
+        stand.calls.clear()  # then the same adapter is replaced in place under them
     await _update(engine, source, in_flight)
     assert stand.calls[:2] == [("GET", "/openapi.json", None), ("GET", "/version", None)]  # the check reads only
     load: list[Call] = {
@@ -191,7 +205,8 @@ async def test_sglang_calls_in_order(
 ) -> None:
     engine, stand = sglang
     if source.kind == "lora" and in_flight == "keep":
-        with pytest.raises(WeightUpdateRefused, match="cannot swap a LoRA adapter under running requests"):
+        # each version's adapter is a new one, never swapped in place under the requests paused in place
+        with pytest.raises(WeightUpdateRefused, match="an adapter cannot be swapped in under requests paused"):
             await engine.check_weights(source, in_flight)
         assert stand.calls == []
         return
@@ -199,7 +214,19 @@ async def test_sglang_calls_in_order(
     assert stand.calls[:2] == [("GET", "/openapi.json", None), ("GET", "/get_server_info", None)]
     load: list[Call] = {
         "lora": [("POST", "/load_lora_adapter", {"lora_name": "tokentape-v7", "lora_path": LORA.path})],
-        "model": [("POST", "/update_weights_from_disk", {"model_path": MODEL.path, "weight_version": "7"})],
+        "model": [
+            (
+                "POST",
+                "/update_weights_from_disk",
+                # it stays paused until told; flushing under requests paused in place would fail
+                {
+                    "model_path": MODEL.path,
+                    "weight_version": "7",
+                    "keep_pause": True,
+                    "flush_cache": in_flight != "keep",
+                },
+            )
+        ],
         "engine_managed": [],
     }[source.kind]
     fresh: list[Call] = [] if in_flight == "keep" else [("POST", "/flush_cache", None)]
@@ -300,4 +327,19 @@ async def test_what_an_engine_cannot_do_is_refused_before_anything_changes(
         with pytest.raises(WeightUpdateRefused, match=words):
             await engine.check_weights(source, in_flight)
         assert _posts(stand) == []  # nothing paused, loaded or flushed
+        await engine.close()
+
+
+async def test_a_vllm_engine_that_holds_the_adapter_already_is_named_so_and_keeps_it_under_a_kept_pause() -> None:
+    stand = Stand("vllm", adapters=[LORA_NAME])  # loaded by an earlier gateway process
+    with serving(stand.app()) as url:
+        engine = VLLMEngine(url)
+        await engine.discover()
+        assert (engine.model_id, engine.adapter) == ("fake-model", LORA_NAME)
+        await _generate(engine)
+        assert stand.generation.requests[-1]["model"] == LORA_NAME
+        await _update(engine, LORA, "keep")  # replaced in place under the requests it pauses
+        # new base weights would drop the adapter those requests run under
+        with pytest.raises(WeightUpdateRefused, match="drop the adapter that requests paused in place run under"):
+            await engine.check_weights(MODEL, "keep")
         await engine.close()

@@ -204,8 +204,12 @@ class RemoteEngine:
             if models:
                 self.model_id = str(models[0].get("id", self.model_id))
                 self.context_length = int(models[0].get("max_model_len") or self.context_length)
+                self._served(models)
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError, AttributeError, IndexError):
             return
+
+    def _served(self, models: list[Any]) -> None:
+        """What an adapter reads from the models the server lists, beyond the first one's name."""
 
     async def check_health(self) -> bool:
         """Probe `/health` on the probe's own connection, never through the generation pool."""

@@ -55,10 +55,8 @@ class SGLangEngine(UpdatableRemote):
     cache_route, resume_route = FLUSH.route, CONTINUE.route
 
     async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None:
-        if source.kind == "lora" and in_flight == "keep":
-            # a request keeps the adapter it was sent with, and one name cannot be loaded twice: a request
-            # paused in place would go on under the old adapter while its tokens are labelled new
-            raise self._refused("SGLang cannot swap a LoRA adapter under running requests; use continue or abort")
+        # SGLang loads no adapter twice under one name: each version's is a new one, never swapped in place
+        self._check_kept_adapter(source, in_flight, swaps_in_place=False)
         needs = [PAUSE_IN_PLACE if in_flight == "keep" else PAUSE, CONTINUE]
         if in_flight != "keep":
             needs.append(FLUSH)
@@ -69,6 +67,7 @@ class SGLangEngine(UpdatableRemote):
 
     async def pause_generation(self, in_flight: InFlight) -> None:
         await self._step("pause", "/pause_generation", body={"mode": "in_place" if in_flight == "keep" else "abort"})
+        self.paused = in_flight
 
     async def load_weights(self, source: WeightSource, version: int) -> None:
         if source.kind == "lora":
@@ -84,8 +83,13 @@ class SGLangEngine(UpdatableRemote):
                 except WeightUpdateFailed as exc:  # the new one is in; the old one only holds a slot
                     log.warning("%s", exc)
         elif source.kind == "model":
-            body = {"model_path": source.path, "weight_version": str(version)}
-            await self._step(f"load the weights at {source.path}", "/update_weights_from_disk", body=body)
+            # stay paused until /continue_generation; flushing under requests paused in place fails
+            update = {"model_path": source.path, "weight_version": str(version)}
+            await self._step(
+                f"load the weights at {source.path}",
+                "/update_weights_from_disk",
+                body={**update, "keep_pause": True, "flush_cache": self.paused != "keep"},
+            )
             self.adapter = None  # new base weights; an adapter trained on the old ones is not applied
         self.weight_version = version
 

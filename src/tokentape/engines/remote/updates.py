@@ -60,6 +60,7 @@ class UpdatableRemote(RemoteEngine):
     resume_route = ""  # resumes generation
     adapter: str | None = None  # the LoRA adapter generations name, once one is loaded
     weight_version: int | None = None  # the version last loaded by this gateway
+    paused: InFlight | None = None  # the in-flight mode of the pause in force, for the load that follows
 
     async def _engine_facts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the routes of the engine's OpenAPI schema, what its version route reports); reads only."""
@@ -87,6 +88,20 @@ class UpdatableRemote(RemoteEngine):
             running = f"it runs {reported['version']}" if reported.get("version") else "it reports no version"
             raise self._refused(f"{'; '.join(missing)}; {running}")
         return reported
+
+    def _check_kept_adapter(self, source: WeightSource, in_flight: InFlight, *, swaps_in_place: bool) -> None:
+        """A request paused in place (keep) goes on under the adapter it was sent with: refuse an update
+        that would change which adapter it should now run under, since its later tokens would be
+        labelled with the new version yet sampled under the old adapter (or none)."""
+        if in_flight != "keep":
+            return
+        if source.kind == "lora" and not (swaps_in_place and self.adapter is not None):
+            why = "the first adapter" if swaps_in_place else "an adapter"
+            raise self._refused(f"{why} cannot be swapped in under requests paused in place; use continue or abort")
+        if source.kind == "model" and self.adapter is not None:
+            raise self._refused(
+                "new base weights drop the adapter that requests paused in place run under; use continue or abort"
+            )
 
     def _refused(self, why: str) -> WeightUpdateRefused:
         return WeightUpdateRefused(f"the {self.kind} engine at {self.base_url} cannot take this update: {why}")
@@ -118,6 +133,7 @@ class UpdatableRemote(RemoteEngine):
         if fresh_kv:  # before anything runs again: nothing may reuse a prefix the old weights computed
             await self._step("drop its prefix cache", self.cache_route)
         await self._step("resume", self.resume_route)
+        self.paused = None
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "adapter": self.adapter, "weight_version": self.weight_version}

@@ -78,6 +78,7 @@ class VLLMEngine(UpdatableRemote):
     cache_route, resume_route = RESET.route, RESUME.route
 
     async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None:
+        self._check_kept_adapter(source, in_flight, swaps_in_place=True)
         needs = [PAUSE_KEEP if in_flight == "keep" else PAUSE, RESUME]
         if in_flight != "keep":
             needs.append(RESET)
@@ -87,6 +88,12 @@ class VLLMEngine(UpdatableRemote):
     async def pause_generation(self, in_flight: InFlight) -> None:
         # a /pause without `mode` (older vLLM) takes it as abort, which is what every mode but keep asks
         await self._step("pause", "/pause", params={"mode": "keep" if in_flight == "keep" else "abort"})
+        self.paused = in_flight
+
+    def _served(self, models: list[Any]) -> None:
+        # vLLM lists its loaded adapters among its models: ours, loaded before this gateway started
+        if any(isinstance(model, dict) and model.get("id") == LORA_NAME for model in models):
+            self.adapter = LORA_NAME
 
     async def load_weights(self, source: WeightSource, version: int) -> None:
         if source.kind == "lora":
