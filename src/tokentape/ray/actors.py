@@ -18,6 +18,9 @@ from typing import Any
 
 import ray
 
+from tokentape.engines.weights import InFlight
+from tokentape.errors import TokentapeError
+from tokentape.gateway.updates import WeightUpdate
 from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
@@ -34,6 +37,7 @@ __all__ = [
     "TrajectoryQueueActor",
     "TrajectoryQueue",
     "RayPeers",
+    "ClusterUpdates",
     "gateway_name",
     "queue_name",
 ]
@@ -175,8 +179,11 @@ class GatewayActor:
         engines = [make_engine(s) for s in spec.runtime.engines] or [
             ActorEngine(engine_actor_name(i)) for i in range(spec.engine_actors)
         ]
-        router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
+        registry = ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE)
+        router = SharedRouter(engines, registry)
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
+        if not spec.runtime.engines:  # engine actors: the registry updates them for the whole cluster
+            gateway.updates = ClusterUpdates(gateway, registry, spec.engine_actors)  # type: ignore[assignment]
         self.gateway = gateway
         self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True, serving_process=True)
         self.peers = RayPeers(spec.index)
@@ -207,6 +214,25 @@ class GatewayActor:
         finally:
             await parts.aclose()  # type: ignore[attr-defined]
 
+    async def hold_for_update(self, in_flight: InFlight) -> None:
+        """A cluster-wide weight update: hold new generations, stop the running ones (at a token
+        boundary, or for good under abort) and wait until none is in an engine."""
+        gate = self.gateway.gate
+        gate.hold()
+        if in_flight == "abort":
+            gate.abort()
+        else:
+            gate.seam(in_flight)
+        await gate.quiet()
+
+    async def finish_update(self, version: int | None) -> None:
+        """Every engine took the weights of `version` (None: the update failed; the version stays):
+        generate again."""
+        if version is not None:
+            self.gateway.gate.version = version
+            self.gateway.gate.label = str(version)
+        self.gateway.gate.release()
+
     async def holds(self, session_id: str) -> bool:
         return await self.gateway.sessions.exists(session_id)
 
@@ -220,6 +246,8 @@ class GatewayActor:
             "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
             "requests_active": stats.requests_admitted,
             "engine_calls": stats.engine_calls,
+            "weights_version": stats.weights_version,
+            "paused": stats.paused,
         }
 
     async def _export(self, session_id: str) -> dict[str, Any] | None:
@@ -251,6 +279,46 @@ class GatewayActor:
         for session_id in missing:
             with contextlib.suppress(Exception):
                 await self._hand_off(session_id)
+
+
+class ClusterUpdates:
+    """`POST /admin/weights` on a gateway of a cluster whose engines are actors: the engine registry
+    runs the update over every engine actor and every gateway (`ray.engines.EngineRegistry`)."""
+
+    def __init__(self, gateway: Any, registry: Any, engine_actors: int) -> None:
+        self.gateway = gateway
+        self.registry = registry
+        self.engine_actors = engine_actors
+        self.running = False
+        self.last: dict[str, Any] | None = None
+
+    async def _gateways(self) -> list[str]:
+        directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        return [gateway_name(i) for i in await directory.gateways.remote()]
+
+    async def update(self, update: WeightUpdate) -> dict[str, Any]:
+        from tokentape.ray.engines import engine_actor_name
+
+        engines = [engine_actor_name(i) for i in range(self.engine_actors)]
+        self.running = True
+        try:
+            call = self.registry.update_weights.remote(
+                update.version, update.source, update.in_flight, await self._gateways(), engines
+            )
+            report: dict[str, Any] = await call
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, TokentapeError) else exc from None
+        finally:
+            self.running = False
+        self.last = report
+        return report
+
+    def check_resumable(self) -> None:
+        return None
+
+    async def rollback(self) -> dict[str, Any]:
+        await self.registry.resume_after_failure.remote(await self._gateways())
+        return {"version": self.gateway.gate.version}
 
 
 class TrajectoryQueue:

@@ -88,6 +88,21 @@ class Cluster:
         """Each gateway's state; a gateway that is restarting is waited for."""
         return [_when_up(lambda g=gateway: g.describe.remote(), timeout) for gateway in self.gateways]
 
+    def update_weights(
+        self, version: int, *, lora: str | None = None, model: str | None = None, in_flight: str = "continue"
+    ) -> dict[str, Any]:
+        """Load new weights on every engine actor and switch every gateway to `version` together."""
+        from tokentape.gateway.updates import parse_update
+        from tokentape.ray.engines import engine_actor_name
+
+        update = parse_update({"version": version, "lora": lora, "model": model, "in_flight": in_flight})
+        gateways = [gateway_name(i) for i in sorted(self.gateway_urls)]
+        engines = [engine_actor_name(i) for i in range(len(self.engines))]
+        report: dict[str, Any] = ray.get(
+            self.registry.update_weights.remote(version, update.source, update.in_flight, gateways, engines)
+        )
+        return report
+
     def stop(self, timeout: float = 30.0) -> None:
         """Kill every actor of the cluster and wait until their names are free again."""
         queue = [self.queue] if self.queue is not None else []
