@@ -144,3 +144,53 @@ async def test_many_updates_under_several_agents_lose_and_double_nothing(
     # every token the engine handed over is on a tape exactly once (one more per update: its probe)
     assert own_engine.tokens_generated - handed_before == recorded + updates
     assert fresh.gate.version == updates and seams > 0
+
+
+async def test_the_real_sdk_gets_one_stream_across_an_update(
+    fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer, model_path: Path, adapters: list[Path]
+) -> None:
+    """Over HTTP with the openai SDK: one streamed completion, its tokens (from the chunks' logprobs)
+    the old weights' up to k and the new ones' after, finish reason length at max_tokens."""
+    import httpx
+    import openai
+
+    from tokentape.server.app import create_app
+
+    stepper = Stepper(own_engine, hold_after=K)
+    gateway = Gateway(stepper, renderer, SessionRegistry())
+    app = create_app(gateway, model_id="smollm2")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        sdk = openai.AsyncOpenAI(base_url="http://t/sessions/sdk/v1", api_key="x", http_client=http, max_retries=0)
+
+        async def read() -> tuple[list[int], list[float], list[str | None], str]:
+            stream = await sdk.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Write a poem about the sea."}],
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                logprobs=True,
+                stream=True,
+            )
+            ids: list[int] = []
+            logprobs: list[float] = []
+            finishes: list[str | None] = []
+            text = ""
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    finishes.append(choice.finish_reason)
+                    text += choice.delta.content or ""
+                    for item in (choice.logprobs.content or []) if choice.logprobs else []:
+                        ids.append(int(item.model_extra["token_id"]))  # type: ignore[index]
+                        logprobs.append(item.logprob)
+            return ids, logprobs, finishes, text
+
+        reading = asyncio.create_task(read())
+        await asyncio.wait_for(stepper.reached.wait(), 60)
+        update = await http.post("/admin/weights", json={"version": 1, "lora": str(adapters[1])})
+        assert update.status_code == 200, update.text
+        ids, logprobs, finishes, text = await asyncio.wait_for(reading, 60)
+    assert [f for f in finishes if f is not None] == ["length"] and len(ids) == MAX_TOKENS
+    prompt = stepper.prompts[0]
+    assert (ids[:K], logprobs[:K]) == cold_greedy(model_path, prompt, K)
+    assert (ids[K:], logprobs[K:]) == cold_greedy(model_path, prompt + ids[:K], MAX_TOKENS - K, lora=adapters[1])
+    assert text == renderer.tokenizer.decode(ids)
