@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
+QUIET_TIMEOUT = 30.0  # seconds running generations get to stop at a token boundary (a stuck client's stream)
 PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
@@ -170,7 +171,15 @@ class WeightUpdater:
             gate.abort()
         else:
             gate.seam(update.in_flight)
-        await gate.quiet()
+        try:
+            await asyncio.wait_for(gate.quiet(), QUIET_TIMEOUT)
+        except TimeoutError:
+            if not was_paused:  # nothing was paused or loaded: generations go on under the old version
+                gate.release()
+            raise UpdateFailed(
+                f"running generations did not stop within {QUIET_TIMEOUT:g} s (a client not reading its "
+                f"stream); nothing was loaded, the version stays {gate.version}"
+            ) from None
         lap("hold")
         previous = gate.version
         loaded: list[int] = []
