@@ -76,7 +76,10 @@ async def test_metrics_count_what_the_exports_hold(http: httpx.AsyncClient, gate
     samples = _samples(response.text)
 
     def value(name: str, **labels: str) -> float:
-        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A sample the server exported; a missing one fails (it is not read as 0)."""
+        key = (name, tuple(sorted(labels.items())))
+        assert key in samples, f"/metrics has no sample {name}{labels or ''}"
+        return samples[key]
 
     # what the session routes say, computed independently of the counters
     ids = [s["session_id"] for s in (await http.get("/sessions")).json()["data"]]
