@@ -367,29 +367,18 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             raise InvalidRequest("messages must not be empty", param="messages")
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as on chat completions
         sampling = sampling_from_wire(
+            req,
             max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            stop=req.stop_sequences,
             logprobs=bool(req.logprobs),
             top_logprobs=req.top_logprobs,
+            stop=req.stop_sequences,
             names={"stop": "stop_sequences"},
         )
-        tools = chat_tools(req.tools)
-        thinking = (req.thinking or {}).get("type") == "enabled"
+        tools, choice = chat_tools(req.tools), chat_tool_choice(req.tool_choice)
+        answer_format = (req.output_config or {}).get("format")
+        thinking = {"enable_thinking": (req.thinking or {}).get("type") == "enabled"} if self.reasoning else None
         return chat_call(
-            req,
-            messages,
-            sampling,
-            caller,
-            tool_format=self.tool_format,
-            tools=tools,
-            tool_choice=chat_tool_choice(req.tool_choice),
-            response_format=(req.output_config or {}).get("format"),
-            template_kwargs={"enable_thinking": thinking} if self.reasoning else None,
+            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, template_kwargs=thinking
         )
 
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:

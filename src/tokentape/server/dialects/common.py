@@ -57,24 +57,25 @@ class Caller:
 
 
 def sampling_from_wire(
+    req: BaseModel,
     *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
+    max_tokens: int | None,
     logprobs: bool = False,
     top_logprobs: int | None = None,
-    n: int | None = None,
+    stop: str | Sequence[str] | None = None,
     names: Mapping[str, str] | None = None,
 ) -> SamplingParams:
-    """OpenAI's defaults for what a request leaves out (temperature 1, top_p 1, no top-k or min-p
-    cut, one choice); `SamplingParams` checks the ranges against its named limits. A top_k below 0
-    is vLLM's "off". `names`: the dialect's own name for a parameter (e.g. `stop` ->
-    `stop_sequences`), so that its errors name the field the client sent."""
+    """The sampling parameters of a request whose fields bear OpenAI's names (`temperature`, `top_p`,
+    `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`, `n`; those it lacks count as left out), with
+    OpenAI's defaults for what it leaves out: temperature 1, top_p 1, no top-k or min-p cut, one
+    choice. A top_k below 0 is vLLM's "off". `SamplingParams` checks the ranges against its named
+    limits. `stop`: the stop strings, where the dialect names them otherwise. `names`: the dialect's
+    own name for a parameter (e.g. `max_tokens` -> `max_output_tokens`), so that an error names the
+    field the client sent."""
+    fields = req.__dict__  # declared fields only: an undeclared one a client sends (kept as an extra) is not read
+    temperature, top_p, top_k = fields.get("temperature"), fields.get("top_p"), fields.get("top_k")
+    min_p, n = fields.get("min_p"), fields.get("n")
+    stop = fields.get("stop") if stop is None else stop
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -82,9 +83,9 @@ def sampling_from_wire(
             top_p=1.0 if top_p is None else float(top_p),
             top_k=0 if top_k is None or top_k < 0 else top_k,
             min_p=0.0 if min_p is None else float(min_p),
-            seed=seed,
+            seed=fields.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            stop_token_ids=tuple(stop_token_ids or ()),
+            stop_token_ids=tuple(fields.get("stop_token_ids") or ()),
             logprobs=logprobs,
             top_logprobs=top_logprobs or 0,
             n=1 if n is None else n,
@@ -101,14 +102,14 @@ def sampling_from_wire(
 
 def chat_call(
     req: ChatFields,
+    caller: Caller,
     messages: Sequence[Message],
     sampling: SamplingParams,
-    caller: Caller,
-    *,
     tool_format: ToolFormat,
-    tools: list[dict[str, Any]] | None = None,
-    tool_choice: str | Mapping[str, Any] | None = None,
-    response_format: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    response_format: Mapping[str, Any] | None,
+    *,
     template_kwargs: Mapping[str, Any] | None = None,
     session_id: str | None = None,
 ) -> ChatCall:

@@ -57,19 +57,10 @@ class GenerateRequest(WireRequest):
 def sampling_params(sp: VLLMSampling, context_length: int, prompt_length: int) -> SamplingParams:
     """vLLM's defaults: OpenAI's, with top_k -1 as off and max_tokens the room left in the context.
     `logprobs: N` asks for the sampled token's logprob and N alternatives."""
+    room = max(1, context_length - prompt_length)
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else room
     return sampling_from_wire(
-        max_tokens=sp.max_tokens if sp.max_tokens is not None else max(1, context_length - prompt_length),
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.seed,
-        stop=sp.stop,
-        stop_token_ids=sp.stop_token_ids,
-        logprobs=sp.logprobs is not None,
-        top_logprobs=sp.logprobs,
-        n=sp.n,
-        names=_SAMPLING_NAMES,
+        sp, max_tokens=max_tokens, logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs, names=_SAMPLING_NAMES
     )
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from tokentape.core.messages import flatten_text_parts
-from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, CompletionCall, Event, Started, TextDelta
@@ -26,30 +25,6 @@ __all__ = ["OpenAIChat", "OpenAICompletions", "WireBuilder", "MAX_COMPLETION_LOG
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default `max_tokens` for completions
-
-
-def _sampling(
-    req: SamplingFields,
-    max_tokens: int | None,
-    *,
-    logprobs: bool,
-    top_logprobs: int,
-    names: dict[str, str] | None = None,
-) -> SamplingParams:
-    return sampling_from_wire(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        n=req.n,
-        names=names,
-    )
 
 
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
@@ -72,31 +47,28 @@ def _include_usage(req: SamplingFields) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
 
-class OpenAIChat(Dialect[ChatCompletionRequest]):
-    path = "/v1/chat/completions"
+OpenAIRequest = TypeVar("OpenAIRequest", bound=SamplingFields)
+
+
+class _OpenAI(Dialect[OpenAIRequest]):
     errors = OPENAI_ERRORS
-    request_model = ChatCompletionRequest
     stream_end: ClassVar[bytes] = DONE
+
+
+class OpenAIChat(_OpenAI[ChatCompletionRequest]):
+    path = "/v1/chat/completions"
+    request_model = ChatCompletionRequest
 
     def to_call(self, req: ChatCompletionRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
         completion_tokens = req.max_completion_tokens is not None
         max_tokens = req.max_completion_tokens if completion_tokens else req.max_tokens
         names = {"max_tokens": "max_completion_tokens"} if completion_tokens else None
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as OpenAI answers it
-        sampling = _sampling(
-            req, max_tokens, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, names=names
-        )
+        logprobs, top = bool(req.logprobs), req.top_logprobs
+        sampling = sampling_from_wire(req, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top, names=names)
         messages = [flatten_text_parts(m) for m in raw["messages"]]
-        return chat_call(
-            req,
-            messages,
-            sampling,
-            caller,
-            tool_format=self.tool_format,
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            response_format=req.response_format,
-        )
+        tools, choice, answer_format = req.tools, req.tool_choice, req.response_format
+        return chat_call(req, caller, messages, sampling, self.tool_format, tools, choice, answer_format)
 
     def _wire(self, req: ChatCompletionRequest, started: Started) -> WireBuilder:
         tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
@@ -141,11 +113,9 @@ class OpenAIChat(Dialect[ChatCompletionRequest]):
             yield sse(wire.usage_chunk(produced, "chat.completion.chunk"))
 
 
-class OpenAICompletions(Dialect[CompletionRequest]):
+class OpenAICompletions(_OpenAI[CompletionRequest]):
     path = "/v1/completions"
-    errors = OPENAI_ERRORS
     request_model = CompletionRequest
-    stream_end: ClassVar[bytes] = DONE
 
     def to_call(self, req: CompletionRequest, raw: dict[str, Any], caller: Caller) -> CompletionCall:
         prompt = _single_prompt(req.prompt)
@@ -156,7 +126,9 @@ class OpenAICompletions(Dialect[CompletionRequest]):
         max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         return CompletionCall(
             prompt=prompt,
-            sampling=_sampling(req, max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0),
+            sampling=sampling_from_wire(
+                req, max_tokens=max_tokens, logprobs=req.logprobs is not None, top_logprobs=req.logprobs
+            ),
             session_id=caller.session_id,
             echo=bool(req.echo),
             request_key=caller.request_key,
@@ -231,25 +203,39 @@ class WireBuilder:
             "total_tokens": prompt + completion_tokens,
         }
 
-    # -- chat ------------------------------------------------------------------------------------
-    def chat_completion(self, choices: Sequence[ChoiceDone], top: int | None) -> dict[str, Any]:
-        """`top`: alternatives per logprob entry; None for no logprobs."""
+    def _whole(self, obj: str, choices: Sequence[ChoiceDone], shaped: list[dict[str, Any]]) -> dict[str, Any]:
+        """A whole response: its choices, usage, and the token data of the prompt and session."""
         return {
-            **self._head("chat.completion"),
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": c.reply.message(),
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None if top is None else self.chat_logprobs(c.tokens, top),
-                    "token_ids": [t.token_id for t in c.tokens],
-                }
-                for c in choices
-            ],
+            **self._head(obj),
+            "choices": shaped,
             "usage": self.usage(sum(len(c.tokens) for c in choices)),
             "prompt_token_ids": self.prompt,
             "session_id": self.session_id,
         }
+
+    def _chunk(self, obj: str, choice: dict[str, Any], tokens: Sequence[SampledToken], first: bool) -> dict[str, Any]:
+        """One stream chunk of one choice; the first of a choice names the prompt and the session."""
+        choice["token_ids"] = [t.token_id for t in tokens]
+        chunk: dict[str, Any] = {**self._head(obj), "choices": [choice]}
+        if first:
+            chunk["prompt_token_ids"] = self.prompt
+            chunk["session_id"] = self.session_id
+        return chunk
+
+    # -- chat ------------------------------------------------------------------------------------
+    def chat_completion(self, choices: Sequence[ChoiceDone], top: int | None) -> dict[str, Any]:
+        """`top`: alternatives per logprob entry; None for no logprobs."""
+        shaped = [
+            {
+                "index": c.index,
+                "message": c.reply.message(),
+                "finish_reason": c.finish_reason,
+                "logprobs": None if top is None else self.chat_logprobs(c.tokens, top),
+                "token_ids": [t.token_id for t in c.tokens],
+            }
+            for c in choices
+        ]
+        return self._whole("chat.completion", choices, shaped)
 
     def chat_chunk(
         self,
@@ -272,22 +258,9 @@ class WireBuilder:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-        chunk: dict[str, Any] = {
-            **self._head("chat.completion.chunk"),
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": self.chat_logprobs(tokens, top) if tokens and top is not None else None,
-                    "finish_reason": finish_reason,
-                    "token_ids": [t.token_id for t in tokens],
-                }
-            ],
-        }
-        if first:
-            chunk["prompt_token_ids"] = self.prompt
-            chunk["session_id"] = self.session_id
-        return chunk
+        logprobs = self.chat_logprobs(tokens, top) if tokens and top is not None else None
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self._chunk("chat.completion.chunk", choice, tokens, first)
 
     def usage_chunk(self, completion_tokens: int, obj: str) -> dict[str, Any]:
         return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}
@@ -308,23 +281,18 @@ class WireBuilder:
         }
 
     def completion(self, choices: Sequence[ChoiceDone], top: int | None, echo: str) -> dict[str, Any]:
-        return {
-            **self._head("text_completion"),
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": echo + c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None if top is None else self.completion_logprobs(c.tokens, top, len(echo)),
-                    "token_ids": [t.token_id for t in c.tokens],
-                    "prompt_token_ids": self.prompt,  # per choice too, where vLLM and verifiers look
-                }
-                for c in choices
-            ],
-            "usage": self.usage(sum(len(c.tokens) for c in choices)),
-            "prompt_token_ids": self.prompt,
-            "session_id": self.session_id,
-        }
+        shaped = [
+            {
+                "index": c.index,
+                "text": echo + c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": None if top is None else self.completion_logprobs(c.tokens, top, len(echo)),
+                "token_ids": [t.token_id for t in c.tokens],
+                "prompt_token_ids": self.prompt,  # per choice too, where vLLM and verifiers look
+            }
+            for c in choices
+        ]
+        return self._whole("text_completion", choices, shaped)
 
     def completion_chunk(
         self,
@@ -335,19 +303,6 @@ class WireBuilder:
         finish_reason: str | None,
         first: bool,
     ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            **self._head("text_completion"),
-            "choices": [
-                {
-                    "index": index,
-                    "text": text,
-                    "finish_reason": finish_reason,
-                    "logprobs": None if top is None else self.completion_logprobs(tokens, top, 0),
-                    "token_ids": [t.token_id for t in tokens],
-                }
-            ],
-        }
-        if first:
-            chunk["prompt_token_ids"] = self.prompt
-            chunk["session_id"] = self.session_id
-        return chunk
+        logprobs = None if top is None else self.completion_logprobs(tokens, top, 0)
+        choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        return self._chunk("text_completion", choice, tokens, first)

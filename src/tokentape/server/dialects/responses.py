@@ -496,27 +496,19 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
         if req.top_logprobs and not req.wants_logprobs:  # as chat answers top_logprobs without logprobs
             raise InvalidRequest(f"top_logprobs requires include=['{LOGPROBS_INCLUDE}']", param="top_logprobs")
         sampling = sampling_from_wire(
+            req,
             max_tokens=req.max_output_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
             logprobs=req.wants_logprobs,
             top_logprobs=req.top_logprobs,
             names={"max_tokens": "max_output_tokens"},
         )
-        tools = chat_tools(req.tools)
+        tools, choice, answer_format = (
+            chat_tools(req.tools),
+            chat_tool_choice(req.tool_choice),
+            response_format(req.text),
+        )
         return chat_call(
-            req,
-            messages,
-            sampling,
-            caller,
-            tool_format=self.tool_format,
-            tools=tools,
-            tool_choice=chat_tool_choice(req.tool_choice),
-            response_format=response_format(req.text),
-            session_id=session_id,
+            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, session_id=session_id
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
