@@ -30,6 +30,7 @@ from tokentape.core.tape import FinishReason
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import ANTHROPIC_ERRORS
@@ -156,10 +157,7 @@ def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]
     for i, tool in enumerate(tools):
         if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
             raise InvalidRequest(f"tools[{i}]: only custom tools with a name are supported", param=f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(common.chat_function_tool(tool, "input_schema"))
     return out
 
 

@@ -19,7 +19,15 @@ from tokentape.gateway.constraints import output_constraint
 from tokentape.gateway.sessions import check_policy
 from tokentape.render.renderer import RenderOptions
 
-__all__ = ["Caller", "ChatFields", "Number", "WireRequest", "chat_call", "sampling_from_wire"]
+__all__ = [
+    "Caller",
+    "ChatFields",
+    "Number",
+    "WireRequest",
+    "chat_call",
+    "chat_function_tool",
+    "sampling_from_wire",
+]
 
 Number = StrictInt | StrictFloat
 
@@ -131,3 +139,12 @@ def chat_call(
         trace_id=caller.trace_id,
         constraint=output_constraint(tools, tool_choice, response_format, tool_format),
     )
+
+
+def chat_function_tool(tool: Mapping[str, Any], schema_field: str) -> dict[str, Any]:
+    """A dialect's function tool (its name, description, and parameter schema under `schema_field`)
+    as a chat tool."""
+    function = {"name": tool["name"], "parameters": tool.get(schema_field) or {"type": "object"}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}

@@ -36,6 +36,7 @@ from tokentape.core.messages import Message
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import OPENAI_ERRORS, ErrorShape
@@ -168,10 +169,7 @@ def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]
             raise InvalidRequest(
                 f"tools[{i}]: only function tools are supported (got {tool.get('type')!r})", param=f"tools[{i}]"
             )
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(common.chat_function_tool(tool, "parameters"))
     return out
 
 
