@@ -151,7 +151,7 @@ def create_app(
             "status": "ok",
             "model": serving.model,
             "sessions_in_memory": stats.sessions_in_memory,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine_calls": stats.engine_calls,
             "tokens_generated": stats.engine.get("tokens_generated"),
         }
