@@ -141,3 +141,22 @@ async def test_token_route_logprobs_over_http(http: httpx.AsyncClient) -> None:
     (choice,) = reply["choices"]
     assert [e["logprob"] for e in choice["logprobs"]["content"]] == [lp for _, lp in masked]
     assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t, _ in masked]
+
+
+async def test_a_turn_is_named_by_its_id_and_tokens_point_at_it_by_index(http: httpx.AsyncClient) -> None:
+    """On a branch through the second of two choices, the turn ids are not positions: each token's
+    `turn_index` points into the branch's per-turn lists, whose `turn_ids` name the turns."""
+    hi = [{"role": "user", "content": "Hi"}]
+    base = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 1.0, "seed": 5}
+    first = (await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": hi, "n": 2})).json()
+    second_reply = first["choices"][1]["message"]["content"]
+    follow = [*hi, {"role": "assistant", "content": second_reply}, {"role": "user", "content": "More"}]
+    await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": follow})
+    export = (await http.get("/sessions/named/export")).json()
+    assert export["schema_version"] == 2
+    (longest,) = [b for b in export["branches"] if len(b["turn_ids"]) == 2]
+    assert longest["turn_ids"] == [1, 2]  # choice 1 of the first request, then the follow-up
+    assert "turns" not in longest
+    for k, (start, end) in enumerate(longest["action_ranges"]):
+        assert set(longest["turn_index"][start:end]) == {k}
+    assert sorted(set(longest["turn_index"])) == [0, 1]
