@@ -62,7 +62,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class GatewayStats:
     sessions_in_memory: int
-    requests_admitted: int  # requests holding an admission slot now
+    requests_active: int  # requests admitted and not done (holding an admission slot)
     retries_waiting: int  # SDK retries waiting for the request they repeat to finish
     engine_calls: int  # generations started since the gateway started
     paused: bool
@@ -72,11 +72,11 @@ class GatewayStats:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_waiting: int = 64) -> None:
+    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_active: int = 64) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sessions = sessions
-        self.admission = Admission(max_waiting)
+        self.admission = Admission(max_active)
         self.planner = Planner(renderer)
         self.engine_calls = 0
         self.gate = VersionGate()  # the weights version, and the generations running against it
@@ -89,7 +89,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
         self.metrics = GatewayMetrics()
-        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
+        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.active)
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,7 +111,7 @@ class Gateway:
     def stats(self) -> GatewayStats:
         return GatewayStats(
             sessions_in_memory=len(self.sessions),
-            requests_admitted=self.admission.admitted,
+            requests_active=self.admission.active,
             retries_waiting=self.sessions.retries_waiting,
             engine_calls=self.engine_calls,
             paused=self.paused,
