@@ -8,7 +8,7 @@ weights on every engine; probe each with a fixed prompt; only if all of that suc
 version and resume (dropping every cached prefix unless `keep`). On a failure the version stays, the
 error names the engine and why, and generation stays held until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
-again). One update at a time: a second one while one runs is refused (409).
+again), or a new update. One update at a time: a second one while one runs is refused (409).
 
 Each phase's duration is reported; `paused` is how long new generations were held.
 """
@@ -135,8 +135,8 @@ class WeightUpdater:
                 param="version",
                 code="version_not_new",
             )
-        if self.failure is not None and self.failure.loaded:
-            raise Conflict(self.failure.message + "; POST /admin/rollback first", code="weights_mixed")
+        # after a failure that left engines on different weights, a new update is the other way out
+        # (every engine then loads the same new weights); resume is what stays refused
         self.running = True
         try:
             return await self._run(update)
@@ -165,7 +165,8 @@ class WeightUpdater:
                 raise result
         lap("check")
         held_at = time.perf_counter()
-        was_paused = not gate.running.is_set()
+        # held by an operator's pause stays held; held by a failed update is released by this one
+        was_paused = not gate.running.is_set() and self.failure is None
         gate.hold()
         if update.in_flight == "abort":
             gate.abort()
@@ -261,12 +262,12 @@ class WeightUpdater:
         """Load the weights of `version` (the current one) again on `engines`."""
         source = self.history[-1]
 
-        def load(engine: UpdatableEngine) -> Any:
+        async def load(engine: UpdatableEngine) -> None:
             start = getattr(engine, "start_source", None)
             weights = source if source is not None else start
             if not isinstance(weights, WeightSource):
                 raise WeightUpdateFailed("the weights it started with are not known")
-            return engine.load_weights(weights, version)
+            await engine.load_weights(weights, version)
 
         await self._step(engines, "restore", load)
 
