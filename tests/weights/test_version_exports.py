@@ -66,3 +66,21 @@ def test_every_format_carries_the_versions() -> None:
             assert (row["param_version_start"], row["param_version_end"]) == (2, 5)
     # versions line up with the sampled tokens: exactly where the loss mask is 1
     assert [v >= 0 for v in EXPECTED] == [bool(m) for m in branch["loss_mask"]]
+
+
+def test_max_lag_drops_or_masks_the_samples_with_too_old_tokens() -> None:
+    import pytest
+
+    from tokentape.core.staleness import LagWindow
+    from tokentape.errors import InvalidRequest
+
+    samples = samples_of([_tree()])
+    for fmt in FORMATS:  # current 5, lag 3: nothing older than 2 -> everything stays
+        assert format_rows(samples, fmt, lag=LagWindow(5, 3)) == format_rows(samples, fmt)
+        assert format_rows(samples, fmt, lag=LagWindow(5, 2)) == []  # the tokens of version 2 are too old
+    (row,) = format_rows(samples, "tokentape", lag=LagWindow(5, 2, "mask"))
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1] and row["masked_by_lag"] == 2
+    (row,) = format_rows(samples, "verifiers", lag=LagWindow(5, 2, "mask"))
+    assert row["completion_mask"] == [0, 0, 1, 1, 0, 0, 1, 1]
+    with pytest.raises(InvalidRequest, match="per-token mask"):
+        format_rows(samples, "openrlhf", lag=LagWindow(5, 2, "mask"))

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch
 from tokentape.core.session import SessionTree
+from tokentape.core.staleness import LagWindow
 from tokentape.core.tape import BranchView
 from tokentape.core.versions import node_versions, version_fields
 from tokentape.errors import InvalidRequest
@@ -181,11 +182,37 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_rows(samples: Sequence[Sample], fmt: Format) -> list[dict[str, Any]]:
-    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos)."""
+def format_rows(samples: Sequence[Sample], fmt: Format, *, lag: LagWindow | None = None) -> list[dict[str, Any]]:
+    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos).
+
+    `lag` (an export's max_lag): `drop` leaves out every sample with a token sampled under a version
+    older than `lag.oldest`; `mask` keeps them and takes those tokens out of the loss (the formats
+    with a per-token mask: tokentape, verifiers)."""
+    if lag is not None:
+        if lag.mode == "drop":
+            samples = [s for s in samples if not _too_old(s, lag)]
+        elif fmt not in ("tokentape", "verifiers"):
+            raise InvalidRequest("max_lag with mask needs a per-token mask: format tokentape or verifiers")
+        else:
+            return [_masked(row, lag, fmt) for row in format_rows(samples, fmt)]
     if fmt == "atropos":
         return _atropos(samples)
     if fmt == "stepwise":
         return [row for sample in samples for row in _stepwise(sample)]
     build = {"tokentape": _tokentape, "openrlhf": _openrlhf, "verifiers": _verifiers}[fmt]
     return [build(sample) for sample in samples]
+
+
+def _too_old(sample: Sample, lag: LagWindow) -> bool:
+    return any(0 <= v < lag.oldest for v in version_fields(sample.branch)["versions"])
+
+
+def _masked(row: dict[str, Any], lag: LagWindow, fmt: Format) -> dict[str, Any]:
+    versions: list[int] = row["versions"]
+    old = [0 <= v < lag.oldest for v in versions]
+    if fmt == "tokentape":
+        mask = [0 if too_old else m for m, too_old in zip(row["loss_mask"], old, strict=True)]
+        return {**row, "loss_mask": mask, "masked_by_lag": sum(old)}
+    split = len(row["prompt_ids"])
+    mask = [0 if too_old else m for m, too_old in zip(row["completion_mask"], old[split:], strict=True)]
+    return {**row, "completion_mask": mask, "masked_by_lag": sum(old)}

@@ -23,6 +23,7 @@ from tokentape.core.versions import node_versions
 
 __all__ = [
     "GroupAdmission",
+    "LagWindow",
     "LagMode",
     "Staleness",
     "admission_limit",
@@ -81,6 +82,19 @@ class GroupAdmission:
         """How many versions must pass before one more group fits."""
         needed = len(self.admitted) + 1
         return max(0, -(-needed // self.per_version) - self.max_staleness - 1 - current)
+
+
+@dataclass(frozen=True, slots=True)
+class LagWindow:
+    """An export's `max_lag`: tokens sampled under a version older than `current - max_lag` are too old."""
+
+    current: int
+    max_lag: int
+    mode: LagMode = "drop"
+
+    @property
+    def oldest(self) -> int:
+        return self.current - self.max_lag
 
 
 def lag_filter(row: dict[str, Any], current: int, max_lag: int, mode: LagMode) -> dict[str, Any] | None:
