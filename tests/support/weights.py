@@ -139,6 +139,9 @@ class Stepper:
                     await self.gate.wait()
                 count += 1
                 yield token
+            if first and count == self.hold_after:  # it ended there: held before it says so
+                self.reached.set()
+                await self.gate.wait()
         finally:
             await stream.aclose()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.weights import Stepper
-from tests.weights.reference import cold_greedy
+from tests.weights.reference import cold_greedy, cold_greedy_kept
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.gateway.calls import ChatCall, ChoiceDone, Event, Started, TextDelta
@@ -69,9 +69,15 @@ async def test_a_turn_goes_on_across_an_update_as_one_reply(
     tokens = [t.token_id for t in done.tokens]
     logprobs = [t.logprob for t in done.tokens]
     old = cold_greedy(model_path, prompt, K)
-    new = cold_greedy(model_path, prompt + tokens[:K], MAX_TOKENS - K, lora=adapters[0])
+    fresh_kv = cold_greedy(model_path, prompt + tokens[:K], MAX_TOKENS - K, lora=adapters[0])
     assert (tokens[:K], logprobs[:K]) == old
-    assert (tokens[K:], logprobs[K:]) == new
+    if mode == "continue":  # the new weights from prompt + k tokens, fresh KV
+        assert (tokens[K:], logprobs[K:]) == fresh_kv
+    else:  # keep: on the KV the old weights computed for prompt + the first k - 1 tokens
+        assert (tokens[K:], logprobs[K:]) == cold_greedy_kept(
+            model_path, prompt, tokens[:K], adapters[0], MAX_TOKENS - K
+        )
+        assert logprobs[K:] != fresh_kv[1]
     assert stepper.prompts[-1] == prompt + tokens[:K]  # generated on from prompt + the k tokens
 
     (node,) = (await gateway.sessions.get("t")).tree.leaves
@@ -82,6 +88,23 @@ async def test_a_turn_goes_on_across_an_update_as_one_reply(
         second["kv_version"] = 0
     assert spans == [{"version": 0, "start": 0, "end": K}, second]
     assert "".join(d.text for d in deltas) == done.text == renderer.tokenizer.decode(tokens)
+
+
+async def test_a_turn_cut_after_its_last_token_ends_instead_of_going_on(
+    fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer, adapters: list[Path]
+) -> None:
+    """At max_tokens a turn only waits for the engine to say it is done; an update cutting it then
+    ends it (finish reason length) and generates nothing more."""
+    stepper = Stepper(own_engine, hold_after=K)
+    gateway = Gateway(stepper, renderer, SessionRegistry())
+    turn = asyncio.create_task(_run(gateway, _call("last", max_tokens=K), True))
+    await asyncio.wait_for(stepper.reached.wait(), 60)
+    await gateway.update_weights(1, lora=str(adapters[0]))
+    done = (await asyncio.wait_for(turn, 60))[-1]
+    assert isinstance(done, ChoiceDone) and done.finish_reason == "length" and len(done.tokens) == K
+    assert stepper.calls == 1
+    (node,) = (await gateway.sessions.get("last")).tree.leaves
+    assert [s.as_dict() for s in node.policy_spans] == [{"version": 0, "start": 0, "end": K}]
 
 
 async def test_abort_ends_the_turn_at_the_update(
@@ -141,8 +164,8 @@ async def test_many_updates_under_several_agents_lose_and_double_nothing(
             assert all(a.end == b.start and a.version < b.version for a, b in itertools.pairwise(spans))
             seams += len(spans) - 1
         recorded += len(sampled)
-    # every token the engine handed over is on a tape exactly once (one more per update: its probe)
-    assert own_engine.tokens_generated - handed_before == recorded + updates
+    # every token the engine handed over is on a tape exactly once (its probe runs on a scratch context)
+    assert own_engine.tokens_generated - handed_before == recorded
     assert fresh.gate.version == updates and seams > 0
 
 

@@ -16,8 +16,10 @@ succeeded; an engine only does its own part, the engine's own way.
     resume_generation  sample again; `fresh_kv`: drop every cached prefix first (computed under the old
                        weights), which every mode but `keep` asks for.
 
-Between load_weights and resume_generation the gateway probes each engine through its ordinary
-`generate` (one greedy token of a fixed one-token prompt); nothing else is generated meanwhile.
+Between load_weights and resume_generation the gateway probes each engine: its optional
+`probe_weights()` if it has one (the embedded engine: one forward pass on a scratch context, so that
+its cached prefix survives for keep), else its ordinary `generate` (one greedy token of a fixed
+one-token prompt); nothing else is generated meanwhile.
 """
 
 from __future__ import annotations

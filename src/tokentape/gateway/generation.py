@@ -220,7 +220,9 @@ class ChoiceRun:
                         except asyncio.CancelledError:
                             if not self._took_back_cut():
                                 raise
-                            self._seamed = True  # cut while waiting: nothing of this token came
+                            # cut while waiting: nothing of this token came. At max_tokens (or the end of
+                            # the context) it was only waiting for the engine to end: it is over.
+                            self._seamed = self._room_left()
                             return
                         finally:
                             self._at_engine(False)

@@ -252,6 +252,10 @@ class WeightUpdater:
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def probe(engine: Any) -> None:  # every engine of the gateway is an Engine too
+            own = getattr(engine, "probe_weights", None)
+            if own is not None:  # the engine's own probe (the embedded one keeps its cached prefix)
+                await own()
+                return
             tokens = [t async for t in engine.generate(prompt, params, seed=0)]
             if len(tokens) != 1 or not math.isfinite(tokens[0].logprob):
                 raise WeightUpdateFailed(f"the probe prompt gave {tokens!r}")
