@@ -1,5 +1,6 @@
 """Pure ASGI guards in front of every route (pure ASGI keeps streaming and disconnects working):
-header and body size limits, and API keys. Each rejection is an OpenAI error object."""
+header and body size limits, and API keys. Each rejection is an error in the shape of the dialect
+at its path (Anthropic's on the Messages route, OpenAI's everywhere else)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import orjson
 
 from tokentape.errors import TokentapeError
-from tokentape.server.errors import shape_for_path
+from tokentape.server.dialects.registry import shape_for_path
 
 __all__ = ["Guard", "GuardSettings", "OPEN_PATHS", "replaying"]
 
