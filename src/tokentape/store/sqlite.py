@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     policy TEXT NOT NULL,
     created_at REAL NOT NULL,
     outcome TEXT NOT NULL,
-    deleted INTEGER NOT NULL DEFAULT 0
+    deleted INTEGER NOT NULL DEFAULT 0,
+    key_hash BLOB
 );
 CREATE TABLE IF NOT EXISTS turns (
     session_id TEXT NOT NULL,
@@ -98,6 +99,7 @@ _ADDED_TURN_COLUMNS = (  # absent from earlier stores
     ("template_inputs", "TEXT"),
     ("constrained", "INTEGER NOT NULL DEFAULT 0"),
 )
+_ADDED_SESSION_COLUMNS = (("key_hash", "BLOB"),)  # the SHA-256 of the session's key; absent from earlier stores
 _SELECT_TURNS = f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_id = ? ORDER BY id"
 
 SessionRow = tuple[str, str, float, str]  # id, policy, created_at, outcome JSON
@@ -195,6 +197,16 @@ def _write_turn(session: SessionRow, turn: tuple[Any, ...]) -> Callable[[sqlite3
         if not _upsert_session(db, session):
             return False
         db.execute(_INSERT_TURN, turn)
+        return True
+
+    return apply
+
+
+def _write_session_key(row: SessionRow, digest: bytes) -> Callable[[sqlite3.Connection], bool]:
+    def apply(db: sqlite3.Connection) -> bool:
+        if not _upsert_session(db, row):
+            return False
+        db.execute("UPDATE sessions SET key_hash = ? WHERE id = ?", (digest, row[0]))
         return True
 
     return apply
@@ -317,6 +329,14 @@ def _keys(db: sqlite3.Connection, where: SessionFilter, after: SessionKey | None
         clauses.append(f"json_extract(outcome, '$.finished_at') IS {'NOT ' if where.finished else ''}NULL")
     sql = f"SELECT created_at, id FROM sessions WHERE {' AND '.join(clauses)} ORDER BY created_at, id LIMIT ?"
     return [(r[0], r[1]) for r in db.execute(sql, (*params, limit))]
+
+
+def _key_state(db: sqlite3.Connection, session_id: str) -> tuple[bytes, bool, bool] | None:
+    row = db.execute(
+        "SELECT key_hash, json_extract(outcome, '$.finished_at') IS NOT NULL, deleted FROM sessions WHERE id = ?",
+        (session_id,),
+    ).fetchone()
+    return None if row is None or row[0] is None else (bytes(row[0]), bool(row[1]), bool(row[2]))
 
 
 def _is_deleted(db: sqlite3.Connection, session_id: str) -> bool:
@@ -572,10 +592,11 @@ class SqliteStore:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self.synchronous}")
         db.executescript(_SCHEMA)
-        columns = {row[1] for row in db.execute("PRAGMA table_info(turns)")}
-        for column, kind in _ADDED_TURN_COLUMNS:  # a store written by an earlier version
-            if column not in columns:
-                db.execute(f"ALTER TABLE turns ADD COLUMN {column} {kind}")
+        for table, added in (("turns", _ADDED_TURN_COLUMNS), ("sessions", _ADDED_SESSION_COLUMNS)):
+            columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in added:  # a store written by an earlier version
+                if column not in columns:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         return db
 
     def _connect_reader(self) -> sqlite3.Connection:
@@ -629,6 +650,12 @@ class SqliteStore:
         row = _session_row(tree)
         return self._write(lambda db: _upsert_session(db, row), f"write session {tree.session_id!r}")
 
+    def save_session_key(self, tree: SessionTree, digest: bytes) -> Write[bool]:
+        """Queue a session's row with the digest of its key (never the key itself); False if the
+        session was deleted."""
+        job = _write_session_key(_session_row(tree), digest)
+        return self._write(job, f"write the key of session {tree.session_id!r}")
+
     def delete(self, session_id: str) -> Write[None]:
         """Queue the removal of a session's turns; its tombstone refuses later writes."""
         return self._write(_write_tombstone(session_id), f"delete session {session_id!r}")
@@ -646,6 +673,11 @@ class SqliteStore:
     async def lookup(self, session_id: str) -> tuple[SessionTree | None, bool]:
         """`load` and `is_deleted` in one read: (the stored session or None, whether it was deleted)."""
         return await self._read(lambda db: _lookup(db, session_id), f"read session {session_id!r}")
+
+    async def key_state(self, session_id: str) -> tuple[bytes, bool, bool] | None:
+        """The stored digest of the session's key, whether the session is finished and whether it
+        was deleted; None if the session has no key (or no row)."""
+        return await self._read(lambda db: _key_state(db, session_id), f"read the key of session {session_id!r}")
 
     async def is_deleted(self, session_id: str) -> bool:
         return await self._read(lambda db: _is_deleted(db, session_id), f"read session {session_id!r}")
