@@ -29,6 +29,7 @@ from tokentape.server.dialects.responses import OpenAIResponses, ResponsesReques
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
+from tokentape.server.keys import SessionKeys
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
 from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -120,7 +121,9 @@ def create_app(
     responses = serving.route(OpenAIResponses(tokenizer, tool_format))
     messages = serving.route(AnthropicMessages(tokenizer, tool_format, renderer.reasoning))
     generate = serving.route(VLLMGenerate(gateway.engine.context_length))
-    app.add_middleware(Guard, settings=guard or GuardSettings())
+    settings = guard or GuardSettings()
+    keys = SessionKeys(gateway.sessions, settings.max_in_flight_per_key)
+    app.add_middleware(Guard, settings=settings, keys=keys)
     app.lean = HotRoutes(
         {
             "/v1/chat/completions": chat,
@@ -130,7 +133,7 @@ def create_app(
             "/inference/v1/generate": generate,
         },
         on_error=handle_error,
-        guard=Guard(None, guard or GuardSettings()),
+        guard=Guard(None, settings, keys),
     )
 
     # -- OpenAI routes ----------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def create_app(
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
-    add_session_routes(app, gateway)
+    add_session_routes(app, gateway, keys)
     add_admin_routes(app, gateway)
     app.state.started = time.time()
     return app
