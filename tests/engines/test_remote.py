@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 
@@ -24,6 +25,8 @@ from tests.support.fake_engines import (
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint
 from tokentape.engines.remote import RemoteEngine, SGLangEngine, VLLMEngine, VLLMGenerateEngine, make_engine
+from tokentape.engines.remote import client as remote_client
+from tokentape.engines.remote.client import EngineAnswered, mapped
 from tokentape.engines.router import Router
 from tokentape.errors import (
     ContextOverflow,
@@ -49,6 +52,16 @@ def remote(request: pytest.FixtureRequest) -> Iterator[tuple[RemoteEngine, FakeS
         engine = cls(url)
         assert engine.kind == kind
         yield engine, state
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether `condition` came true within `timeout` seconds (polled; the caller asserts it)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 async def _run(
@@ -132,23 +145,15 @@ async def test_closing_early_aborts_upstream(remote: tuple[RemoteEngine, FakeSta
     async with contextlib.aclosing(stream):
         async for _ in stream:
             break
-    for _ in range(100):
-        if state.aborted:
-            break
-        await asyncio.sleep(0.05)
-    assert state.aborted == 1
+    assert await until(lambda: state.aborted == 1)
     # an answer asked for in one piece: cancelled while the engine is still generating it
     task = asyncio.ensure_future(_run(engine, SamplingParams(max_tokens=100), whole=True))
-    await asyncio.sleep(0.3)
-    assert state.requests[-1]["stream"] is False and not task.done()
+    assert await until(lambda: len(state.requests) == 2)  # the engine has it
+    assert state.requests[-1]["stream"] is False and not task.done()  # and is still generating it
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    for _ in range(100):
-        if state.aborted == 2:
-            break
-        await asyncio.sleep(0.05)
-    assert state.aborted == 2
+    assert await until(lambda: state.aborted == 2)
 
 
 async def test_finished_generations_reuse_one_connection(remote: tuple[RemoteEngine, FakeState]) -> None:
@@ -187,11 +192,8 @@ async def test_cancelled_generations_release_their_connections(remote: tuple[Rem
     state.delay = 1.0
     sent = len(state.requests)
     slow = [asyncio.ensure_future(consume()) for _ in range(4)]
-    for _ in range(40):
-        await asyncio.sleep(0.05)
-        if len(state.requests) - sent == 4:
-            break
-    assert len(state.requests) - sent == 4  # a lost slot keeps one of them waiting for the pool
+    # a lost slot keeps one of them waiting for the pool
+    assert await until(lambda: len(state.requests) - sent == 4, timeout=2.0)
     for task in slow:
         task.cancel()
     await asyncio.gather(*slow, return_exceptions=True)
@@ -204,7 +206,9 @@ async def test_health_is_probed_on_its_own_connection() -> None:
     with serving(vllm_app(state)) as url:
         engine = VLLMEngine(url, max_connections=2)
         busy = [asyncio.ensure_future(_run(engine, SamplingParams(max_tokens=100))) for _ in range(4)]
-        await asyncio.sleep(0.3)  # the generation pool is full, two more wait for it
+        # the generation pool is full (two at the engine, each ~2.6 s long), two more wait for it
+        assert await until(lambda: len(state.requests) == 2)
+        assert not any(task.done() for task in busy)
         assert await asyncio.wait_for(engine.check_health(), 2.0)
         state.healthy = False
         assert not await asyncio.wait_for(engine.check_health(), 2.0)
@@ -375,9 +379,58 @@ def test_engine_specs_are_checked() -> None:
             make_engine(bad)
 
 
-def test_json_in_error_events_is_quoted_with_the_engines_words() -> None:
-    engine = VLLMEngine("http://127.0.0.1:1")
-    error = engine._error_from(503, json.dumps({"object": "error", "message": "KV cache full"}).encode())
-    assert isinstance(error, EngineFailure) and "KV cache full" in error.message
-    refused = engine._error_from(422, b'{"detail": "bad"}')
-    assert isinstance(refused, InvalidRequest)
+URL = "http://127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("raised", "sending", "expected", "engine_down"),
+    [
+        # answers with an error status, quoted in the engine's words
+        (EngineAnswered.from_body(503, b'{"object": "error", "message": "KV cache full"}'), False, EngineFailure, True),
+        (EngineAnswered.from_body(500, b"plain text: KV cache full"), False, EngineFailure, True),
+        (EngineAnswered.from_body(429, b'{"error": {"message": "KV cache full"}}'), False, EngineFailure, True),
+        (EngineAnswered.from_body(422, b'{"detail": "KV cache full"}'), False, InvalidRequest, None),
+        (EngineAnswered.from_body(400, b'{"message": "context: KV cache full"}'), False, ContextOverflow, None),
+        # an error event inside a streamed answer: the engine is alive
+        (EngineAnswered.from_event({"message": "KV cache full", "code": 500}), False, EngineFailure, False),
+        (EngineAnswered.from_event("KV cache full"), False, EngineFailure, False),
+        (EngineAnswered.from_event({"message": "KV cache full", "code": 400}), False, InvalidRequest, None),
+        # transport: a head that does not come is one stuck exchange; an answer that stops, the engine's
+        (TimeoutError(), True, EngineFailure, False),
+        (TimeoutError("KV cache full"), False, EngineFailure, True),
+        (aiohttp.ClientPayloadError("KV cache full"), False, EngineFailure, True),
+        (aiohttp.ServerDisconnectedError("KV cache full"), True, EngineFailure, True),
+        (ValueError("KV cache full"), True, InvalidRequest, None),  # a request that HTTP cannot carry
+    ],
+)
+def test_one_place_maps_what_goes_wrong_in_an_exchange(
+    raised: Exception, sending: bool, expected: type[Exception], engine_down: bool | None
+) -> None:
+    error = mapped(raised, URL, sending=sending, head_timeout=20.0)
+    assert type(error) is expected
+    assert "KV cache full" in str(error) or (isinstance(raised, TimeoutError) and sending)
+    if engine_down is not None:
+        assert isinstance(error, EngineFailure) and error.engine_down is engine_down
+    assert mapped(ValueError("a bug of ours"), URL) is None  # reading: not the exchange's to map
+
+
+async def test_a_head_that_does_not_come_keeps_the_engine_in_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stuck exchange fails that request; the health probe, not the failure, judges the engine."""
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setattr(remote_client, "HEAD_TIMEOUT", 0.2)
+    router = Router([VLLMEngine(f"http://127.0.0.1:{port}")])
+    (engine,) = router.engines
+    try:
+        with pytest.raises(EngineFailure, match="sent no answer within 0 s") as failure:
+            async for _ in router.generate(PROMPT, SamplingParams(max_tokens=5), seed=1, session_id="s"):
+                pass
+        assert not failure.value.engine_down and engine.healthy
+    finally:
+        await router.close()
+        server.close()

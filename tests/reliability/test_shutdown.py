@@ -12,6 +12,17 @@ from tests.conftest import MODEL_NAME
 from tokentape.launcher import running_server
 
 
+async def _generating(http: httpx.AsyncClient, timeout: float = 30.0) -> bool:
+    """Whether, within `timeout` seconds, the server has a request in flight and has sampled tokens."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        health = (await http.get("/health")).json()
+        if health["requests_active"] == 1 and (health["tokens_generated"] or 0) > 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     args = ["--store", str(tmp_path / "store.sqlite3"), "--context-length", "2048"]
     body = {
@@ -23,7 +34,10 @@ async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     with running_server(args) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             pending = asyncio.create_task(http.post("/sessions/drain/v1/chat/completions", json=body))
-            await asyncio.sleep(0.3)
+            # SIGTERM only once the request is generating (the gateway admitted it and the engine has
+            # sampled from it), so that the drain has something to drain
+            assert await _generating(http), "the request never started generating"
+            assert not pending.done()
             server.process.send_signal(signal.SIGTERM)
             response = await pending
         assert response.status_code == 200

@@ -1,0 +1,44 @@
+"""Remote engines over HTTP, token IDs in and out: vLLM (`vllm`: `/v1/completions`; `vllm-generate`:
+its `/inference/v1/generate` token endpoint) and SGLang (`sglang`: `/generate`), one module per wire
+dialect (`vllm.py`, `sglang.py`) over one shared exchange (`client.py`: connection pools, the event
+stream, and the one place where what goes wrong becomes an error of tokentape's tree)."""
+
+from __future__ import annotations
+
+from tokentape.engines.remote.client import RemoteEngine
+from tokentape.engines.remote.sglang import SGLangEngine
+from tokentape.engines.remote.vllm import VLLMEngine, VLLMGenerateEngine
+from tokentape.errors import InvalidRequest
+
+__all__ = [
+    "ENGINE_KINDS",
+    "RemoteEngine",
+    "SGLangEngine",
+    "VLLMEngine",
+    "VLLMGenerateEngine",
+    "make_engine",
+]
+
+ENGINE_KINDS: dict[str, type[RemoteEngine]] = {
+    "vllm": VLLMEngine,
+    "vllm-generate": VLLMGenerateEngine,
+    "sglang": SGLangEngine,
+}
+
+
+def make_engine(spec: str) -> RemoteEngine:
+    """`KIND=URL[,logprobs-mode=MODE]`, e.g. `vllm=http://10.0.0.5:8000,logprobs-mode=processed_logprobs`."""
+    kind, sep, rest = spec.partition("=")
+    url, _, option = rest.partition(",")
+    name, _, mode = option.partition("=")
+    if (
+        not sep
+        or kind not in ENGINE_KINDS
+        or not url.startswith(("http://", "https://"))
+        or (option and (name != "logprobs-mode" or not mode))
+    ):
+        raise InvalidRequest(
+            f"engines are given as KIND=URL[,logprobs-mode=MODE] with KIND one of {', '.join(ENGINE_KINDS)}",
+            param="engine",
+        )
+    return ENGINE_KINDS[kind](url, logprobs_mode=mode or None)

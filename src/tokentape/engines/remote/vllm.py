@@ -1,0 +1,214 @@
+"""vLLM's two token routes: the OpenAI server's `/v1/completions` with a token-ID prompt and
+`return_token_ids`, and its token endpoint `/inference/v1/generate`. Answers are streamed, so closing
+the generation closes the upstream request and vLLM aborts it; for a caller that reads only the result
+(`whole`) the answer comes in one piece, and closing that still closes the request. Sampled token IDs
+and logprobs are read from the response, never from text."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
+from tokentape.engines.remote.client import RemoteEngine
+from tokentape.engines.remote.wire import (
+    best_first,
+    listed,
+    logprob,
+    logprob_list,
+    quote,
+    sampling_fields,
+    token_text_id,
+    wire_ids,
+)
+from tokentape.errors import EngineProtocolError, InvalidRequest
+
+__all__ = ["VLLMEngine", "VLLMGenerateEngine"]
+
+
+def _vllm_structured_outputs(constraint: Constraint) -> dict[str, Any]:
+    """vLLM's `structured_outputs` (StructuredOutputsParams): json, regex or grammar."""
+    if constraint.kind == "json_schema":
+        try:
+            schema = json.loads(constraint.value)
+        except ValueError as exc:
+            raise InvalidRequest(f"the JSON schema is not JSON: {exc}", param="response_format") from exc
+        return {"json": schema}
+    return {"regex" if constraint.kind == "regex" else "grammar": constraint.value}
+
+
+class VLLMEngine(RemoteEngine):
+    """vLLM's OpenAI server: `/v1/completions`, streamed, prompt as token IDs.
+
+    `logprobs_mode` is the server's `--logprobs-mode`: raw_logprobs (vLLM's default: the model's own
+    distribution, no temperature, no truncation) or processed_logprobs (after temperature and the
+    top-k/top-p/min-p cut, renormalized).
+    """
+
+    kind = "vllm"
+    logprobs_modes = ("raw_logprobs", "processed_logprobs")
+    constraint_kinds = frozenset({"json_schema", "regex", "grammar"})
+    path = "/v1/completions"
+
+    def logprob_mode(self, params: SamplingParams) -> LogprobMode:
+        if self.logprobs_mode == "processed_logprobs":
+            return logprob_mode(params, scaled=True, truncated_by=("top_k", "top_p", "min_p"))
+        return logprob_mode(params, scaled=False)
+
+    def _body(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        constraint: Constraint | None,
+        whole: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model_id,
+            "prompt": wire_ids(prompt),
+            **sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
+            "stream": not whole,
+            "logprobs": params.top_logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed % 2**63
+        if constraint is not None:
+            body["structured_outputs"] = _vllm_structured_outputs(constraint)
+        return body
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
+    ) -> AsyncGenerator[SampledToken, None]:
+        self._check_constraint(constraint)
+        mode = self.logprob_mode(params)
+        events = self._events(
+            self.path, self._body(prompt, params, seed, constraint, whole), session_id, _choice_finished
+        )
+        try:
+            async for event in events:
+                for token in self._tokens(event, params, mode):
+                    self.tokens_generated += 1
+                    yield token
+        finally:
+            await events.aclose()
+
+    def _tokens(self, event: dict[str, Any], params: SamplingParams, mode: LogprobMode) -> list[SampledToken]:
+        """The sampled tokens of one completions event, checked against the wire format."""
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            raise EngineProtocolError(f"the engine sent an event without choices: {quote(event)}")
+        out: list[SampledToken] = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise EngineProtocolError(f"the engine sent a choice that is not an object: {quote(choice)}")
+            logprobs = choice.get("logprobs") or {}
+            if not isinstance(logprobs, dict):
+                raise EngineProtocolError(f"the engine sent logprobs of an unexpected shape: {quote(logprobs)}")
+            ids = self._token_ids(listed(choice.get("token_ids"), "token_ids"))
+            spelled = listed(logprobs.get("tokens"), "tokens")
+            if spelled and spelled != [f"token_id:{t}" for t in ids]:  # the usual case is one comparison
+                named = self._token_ids([token_text_id(t) for t in spelled])
+                if ids and named != ids:
+                    raise EngineProtocolError(f"the engine's token_ids {quote(ids)} and tokens {quote(named)} differ")
+                ids = named
+            values = logprob_list(listed(logprobs.get("token_logprobs"), "token_logprobs"))
+            tops = listed(logprobs.get("top_logprobs"), "top_logprobs") or [None] * len(ids)
+            if len(values) != len(ids) or len(tops) != len(ids):
+                raise EngineProtocolError(
+                    f"the engine sent {len(ids)} token IDs with {len(values)} logprobs and {len(tops)} top_logprobs"
+                )
+            keep = params.top_logprobs
+            if not keep:  # alternatives nobody asked for (vLLM lists the sampled token) are not read
+                out += [SampledToken(token, value, (), mode) for token, value in zip(ids, values, strict=True)]
+                continue
+            for token, value, top in zip(ids, values, tops, strict=True):
+                if top is not None and not isinstance(top, dict):
+                    raise EngineProtocolError(f"the engine sent top_logprobs of an unexpected shape: {quote(top)}")
+                alternatives = [(self._token(token_text_id(t)), logprob(lp)) for t, lp in (top or {}).items()]
+                out.append(SampledToken(token, value, best_first(alternatives, keep), mode))
+        return out
+
+
+def _choice_finished(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+class VLLMGenerateEngine(VLLMEngine):
+    """vLLM's token endpoint `/inference/v1/generate` (token IDs in, token IDs out), streamed: each event
+    carries new `token_ids` and `logprobs.content[j]` = {token or token_id, logprob, top_logprobs}.
+    A server that answers in one piece (no streaming on its side) is read the same way."""
+
+    kind = "vllm-generate"
+    path = "/inference/v1/generate"
+
+    def _body(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        constraint: Constraint | None,
+        whole: bool,
+    ) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            **sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
+            # vLLM lists the sampled token first and cuts the list at `logprobs` entries: one more
+            # than asked keeps the k best whether or not the sampled token is among them
+            "logprobs": params.top_logprobs + 1,
+        }
+        if seed is not None:
+            sampling["seed"] = seed % 2**63
+        if constraint is not None:
+            sampling["structured_outputs"] = _vllm_structured_outputs(constraint)
+        return {
+            "model": self.model_id,
+            "request_id": uuid.uuid4().hex,
+            "token_ids": wire_ids(prompt),
+            "sampling_params": sampling,
+            "stream": not whole,
+        }
+
+    def _tokens(self, event: dict[str, Any], params: SamplingParams, mode: LogprobMode) -> list[SampledToken]:
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            raise EngineProtocolError(f"the engine sent an event without choices: {quote(event)}")
+        out: list[SampledToken] = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise EngineProtocolError(f"the engine sent a choice that is not an object: {quote(choice)}")
+            ids = [self._token(t) for t in listed(choice.get("token_ids"), "token_ids")]
+            logprobs = choice.get("logprobs") or {}
+            content = listed(logprobs.get("content") if isinstance(logprobs, dict) else logprobs, "logprobs.content")
+            if len(content) != len(ids):
+                raise EngineProtocolError(f"the engine sent {len(ids)} token IDs with {len(content)} logprobs")
+            for token, entry in zip(ids, content, strict=True):
+                if not isinstance(entry, dict):
+                    raise EngineProtocolError(f"the engine sent a logprob entry {quote(entry)}")
+                if self._entry_token(entry) != token:
+                    raise EngineProtocolError(f"the engine's logprob entry {quote(entry)} is not for token {token}")
+                alternatives = []
+                for alt in listed(entry.get("top_logprobs"), "top_logprobs"):
+                    if not isinstance(alt, dict):
+                        raise EngineProtocolError(f"the engine sent a top_logprobs entry {quote(alt)}")
+                    alternatives.append((self._entry_token(alt), logprob(alt.get("logprob"))))
+                top = best_first(alternatives, params.top_logprobs)
+                out.append(SampledToken(token, logprob(entry.get("logprob")), top, mode))
+        return out
+
+    def _entry_token(self, entry: dict[str, Any]) -> int:
+        """An entry names its token as `token_id: N` or as `token: "token_id:N"`, by vLLM version."""
+        if "token_id" in entry:
+            return self._token(entry["token_id"])
+        return self._token(token_text_id(entry.get("token")))
