@@ -82,20 +82,7 @@ class Guard:
         """The request's body, or None once a rejection (431, 401, 403, 409, 429, 413) has been sent."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         settings = self.settings
-        size = 0
-        authorization = x_api_key = declared = None
-        named: list[bytes] = []
-        for name, value in headers:
-            size += len(name) + len(value)
-            if name == b"authorization":
-                authorization = value
-            elif name == b"x-api-key":
-                x_api_key = value
-            elif name == b"content-length":
-                declared = value
-            elif name == b"x-session-id":
-                named.append(value)
-        if size > settings.max_header_bytes:
+        if sum(len(k) + len(v) for k, v in headers) > settings.max_header_bytes:
             await _reject(
                 scope,
                 send,
@@ -105,9 +92,15 @@ class Guard:
                 "request_header_fields_too_large",
             )
             return None
-        key_session = await self._authorise(scope, send, authorization, x_api_key, named)
-        if key_session is False:
-            return None
+        values = dict(headers)
+        offered = offered_key(values.get(b"authorization"), values.get(b"x-api-key"))
+        key_session: str | bool = True
+        # open mode and a request with no session key (the local default): nothing to check
+        if settings.api_keys or settings.require_session_keys or offered[:4] == KEY_PREFIX:
+            key_session = await self._authorise(scope, send, offered)
+            if key_session is False:
+                return None
+        declared = values.get(b"content-length")
         too_large = declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes
         body = None if too_large else await self._read_body(receive)
         if body is None:
@@ -140,12 +133,15 @@ class Guard:
             scope["headers"] = [*others, (b"x-session-id", key_session.encode())]
         return body
 
-    async def _authorise(
-        self, scope: Scope, send: Any, authorization: bytes | None, x_api_key: bytes | None, named: list[bytes]
-    ) -> str | bool:
+    def is_trainer_key(self, offered: bytes) -> bool:
+        """Whether `offered` is one of the trainer keys: its digest compared with every key's, always,
+        so the time taken tells nothing about which key nearly matched, nor how nearly."""
+        digest = key_digest(offered)
+        return sum(hmac.compare_digest(digest, key) for key in self.settings.api_keys) > 0
+
+    async def _authorise(self, scope: Scope, send: Any, offered: bytes) -> str | bool:
         """False once a refusal is sent; else the session of a session key, or True (any other key)."""
         settings = self.settings
-        offered = offered_key(authorization, x_api_key)
         kind = Kind.NONE
         key_session: str | None = None
         if offered[:4] == KEY_PREFIX and self.keys is not None:
@@ -161,17 +157,14 @@ class Guard:
                 kind = Kind.UNKNOWN
         elif offered:
             kind = Kind.UNKNOWN
-            if settings.api_keys:
-                digest = key_digest(offered)
-                # compare with every key, always, so timing tells nothing about which one nearly matched
-                if sum(hmac.compare_digest(digest, key) for key in settings.api_keys):
-                    kind = Kind.TRAINER
+            if settings.api_keys and self.is_trainer_key(offered):
+                kind = Kind.TRAINER
         path: str = scope["path"]
         refusal = decide(
             kind,
             path,
             key_session=key_session,
-            header_sessions=named,
+            header_sessions=[v for k, v in scope["headers"] if k == b"x-session-id"] if key_session else (),
             trainer_keys=bool(settings.api_keys),
             require_session_keys=settings.require_session_keys,
         )
