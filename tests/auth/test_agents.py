@@ -15,7 +15,7 @@ import pytest
 from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 
-from tests.auth.walk import MODEL, TRAINER
+from tests.auth.walk import MODEL, TRAINER, spoiled
 from tokentape.launcher import RunningServer, running_server
 
 set_tracing_disabled(True)
@@ -86,7 +86,7 @@ async def test_an_openai_sdk_agent_with_its_key_alone(server: RunningServer) -> 
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )
     with pytest.raises(openai.AuthenticationError):  # the secret is what counts
-        await client.with_options(api_key=key[:-4] + "AAAA").models.list()
+        await client.with_options(api_key=spoiled(key)).models.list()
     assert state(server) == before
 
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.auth.walk import MODEL, TRAINER
+from tests.auth.walk import MODEL, TRAINER, spoiled
 from tests.support.gates import GatedEngine
 from tokentape.client import InProcessGateway
 from tokentape.engines.llamacpp import LlamaCppEngine
@@ -53,7 +53,7 @@ async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_
         assert reply.status_code == 200 and reply.headers["x-session-id"] == "durable-key"
         assert httpx.get(f"{base}/sessions/durable-key", headers=T).json()["turns"] == 2
         assert httpx.post(f"{base}/sessions/durable-key/reward", json={"reward": 1}, headers=agent).status_code == 403
-        wrong = {"authorization": f"Bearer {key[:-3]}abc"}
+        wrong = {"authorization": f"Bearer {spoiled(key)}"}
         assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=wrong).status_code == 401
         assert httpx.post(f"{base}/sessions/durable-key/finish", headers=T).status_code == 200
         assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=agent).status_code == 409

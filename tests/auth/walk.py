@@ -36,6 +36,11 @@ BODIES: dict[str, dict[str, Any]] = {  # a valid request for each route that nee
 }
 
 
+def spoiled(key: str) -> str:
+    """The key with its last character changed: the right shape, a wrong secret."""
+    return key[:-1] + ("A" if key[-1] != "A" else "B")
+
+
 def routes(app: Any) -> list[tuple[str, str]]:
     """(method, path template) of every route: the schema's, then those it leaves out."""
     found = [(method.upper(), path) for path, ops in app.openapi()["paths"].items() for method in ops]

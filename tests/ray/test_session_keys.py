@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.auth.walk import spoiled
 from tests.ray.conftest import free_port_block
 from tests.ray.test_cluster import Front
 
@@ -95,3 +96,29 @@ def test_finished_sessions_reach_the_queue_and_their_keys_stop(keyed: dict[str, 
     assert handed["session_id"] == "rk-done"
     for entry in [front, *keyed["gateways"]]:
         assert httpx.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60).status_code == 409
+
+
+def test_keys_work_again_after_their_gateway_is_killed(keyed: dict[str, Any]) -> None:
+    import os
+    import signal
+    import time
+
+    started, front = keyed["cluster"], keyed["front"]
+    victim = started.describe()[0]
+    created = [httpx.post(f"{front}/sessions", json={"session_id": f"rk-kill-{i}"}, headers=T).json() for i in range(4)]
+    owned = [c for c in created if c["base_url"].startswith(victim["url"])]
+    assert owned, "the gateway killed owns some of the sessions"
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while started.describe()[0]["pid"] == victim["pid"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.describe()[0]["pid"] != victim["pid"]
+    for c in owned:  # the restarted gateway knows each key from the digest in its shard
+        agent = {"authorization": f"Bearer {c['api_key']}"}
+        for entry in [front, *keyed["gateways"]]:
+            reply = httpx.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60)
+            assert reply.status_code == 200 and reply.headers["x-session-id"] == c["session_id"], reply.text
+        refused = httpx.post(f"{front}/sessions/{c['session_id']}/reward", json={"reward": 1}, headers=agent)
+        assert refused.status_code == 403
+        wrong = {"authorization": f"Bearer {spoiled(c['api_key'])}"}
+        assert httpx.post(f"{front}/v1/chat/completions", json=CHAT, headers=wrong, timeout=60).status_code == 401
