@@ -172,7 +172,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{figures['mutations']} requests: statuses {figures['statuses']}, {len(figures['bad'])} bad "
             "(>= 500 other than 502/503, no message, or the session changed)",
         )
-    with running_server(["--context-length", "4096", "--max-waiting", str(args.max_waiting)]) as small:
+    with running_server(["--context-length", "4096", "--max-active", str(args.max_waiting)]) as small:
         figures = await suite.overload(small, offered=args.offered, waves=3)
         report(
             "overload",

@@ -78,7 +78,14 @@ def serve(
         int | None,
         typer.Option(min=1, help="Requests one session key may have running at once (429 with Retry-After past it)."),
     ] = None,
-    max_waiting: Annotated[int, typer.Option(help="Requests admitted at once; more get 429 with Retry-After.")] = 64,
+    max_active: Annotated[
+        int,
+        typer.Option(
+            "--max-active",
+            "--max-waiting",  # its earlier name
+            help="Requests admitted at once (the tokentape_requests_active gauge); more get 429 with Retry-After.",
+        ),
+    ] = 64,
     max_sessions_in_memory: Annotated[
         int, typer.Option(help="Sessions kept in memory (all stay in the store and reload on use).")
     ] = 10_000,
@@ -133,7 +140,7 @@ def serve(
         rewrite_policy=check_policy(rewrite_policy),
         served_model_name=served_model_name,
         store_path=store,
-        max_waiting=max_waiting,
+        max_active=max_active,
         memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
         match_prefix=match_prefix,
     )

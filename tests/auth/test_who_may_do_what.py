@@ -155,3 +155,11 @@ def test_the_walk_oracle_is_not_vacuous() -> None:
     assert expected("own", "/sessions/{session_id}/reward") == {403}
     assert expected("other", "/sessions/{session_id}/v1/chat/completions") == {403}
     assert expected("other", "/v1/chat/completions") == {200}
+
+
+def test_every_dialect_is_a_generation_route_of_the_policy() -> None:
+    """A dialect added to the registry must be named in the policy (else session keys get 403 there)."""
+    from tokentape.server.auth import GENERATION_ROUTES
+    from tokentape.server.dialects.registry import PATHS
+
+    assert set(PATHS) == GENERATION_ROUTES

@@ -19,7 +19,7 @@ from tokentape.core.tape import BranchView
 
 __all__ = ["EXPORT_SCHEMA_VERSION", "export_branch", "export_session", "common_logprob_mode"]
 
-EXPORT_SCHEMA_VERSION = 1
+EXPORT_SCHEMA_VERSION = 2  # 2: the per-token `turns` (a position, not an id) is named `turn_index`
 
 
 def common_logprob_mode(modes: Iterable[str | None]) -> str | None:
@@ -36,7 +36,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "loss_mask": branch.loss_mask,
         "logprobs": branch.logprobs,
         "origins": [origin.label for origin in branch.origins],
-        "turns": branch.turns,
+        "turn_index": branch.turns,  # per token: its turn's index in this branch's per-turn lists
         "action_ranges": [list(r) for r in branch.action_ranges()],
         "finish_reasons": [node.finish_reason for node in branch.nodes],
         "truncated": leaf.finish_reason == "length",

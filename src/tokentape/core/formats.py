@@ -3,7 +3,7 @@
 One branch is one sample (`merged`); `stepwise` makes one sample per turn. Per format:
 
 - tokentape: the native export (tokens, loss_mask, logprobs with null off-policy positions, origins,
-  turns, action_ranges, finish_reasons, rewrites) plus reward, group and metadata.
+  turn_index, action_ranges, finish_reasons, rewrites) plus reward, group and metadata.
 - openrlhf: `observation_tokens`, `action_ranges` ([start, end) of each sampled span),
   `rollout_log_probs` (aligned with the tokens; 0.0 outside the action ranges, as OpenRLHF's own
   executor writes), `truncated`, `reward`.

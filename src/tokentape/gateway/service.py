@@ -59,7 +59,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class GatewayStats:
     sessions_in_memory: int
-    requests_admitted: int  # requests holding an admission slot now
+    requests_active: int  # requests admitted and not done (holding an admission slot)
     retries_waiting: int  # SDK retries waiting for the request they repeat to finish
     engine_calls: int  # generations started since the gateway started
     paused: bool
@@ -68,11 +68,11 @@ class GatewayStats:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_waiting: int = 64) -> None:
+    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_active: int = 64) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sessions = sessions
-        self.admission = Admission(max_waiting)
+        self.admission = Admission(max_active)
         self.planner = Planner(renderer)
         self.engine_calls = 0
         self.policy_version: str | None = None
@@ -85,7 +85,7 @@ class Gateway:
         self._awaiting_whole: set[ChoiceRun] = set()  # generations waiting for an answer in one piece
         self._started = False
         self.metrics = GatewayMetrics()
-        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
+        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.active)
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -107,7 +107,7 @@ class Gateway:
     def stats(self) -> GatewayStats:
         return GatewayStats(
             sessions_in_memory=len(self.sessions),
-            requests_admitted=self.admission.admitted,
+            requests_active=self.admission.active,
             retries_waiting=self.sessions.retries_waiting,
             engine_calls=self.engine_calls,
             paused=self.paused,

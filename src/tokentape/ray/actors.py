@@ -227,7 +227,7 @@ class GatewayActor:
             "node": ray.get_runtime_context().get_node_id(),
             "shard": self.spec.shard,
             "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine_calls": stats.engine_calls,
         }
 

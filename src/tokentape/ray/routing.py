@@ -23,13 +23,14 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
 from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_body, run_app
 from tokentape.server.auth import offered_key, session_of_key
+from tokentape.server.dialects.registry import PATHS
 from tokentape.store.scan import encode_cursor
 
 __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
 
 _SESSION_PATH = re.compile(r"^/sessions/([^/]+)(/.*)?$")
-# Routes whose JSON body may name the session (`session_id`, as OpenRLHF agents send it).
-_BODY_NAMED = ("/chat/completions", "/completions", "/responses", "/messages", "/generate")
+# Routes whose JSON body may name the session (`session_id`, as OpenRLHF agents send it): every dialect's.
+_BODY_NAMED = PATHS
 _LIST_FIELDS = ("session_ids", "branch_ids", "tokens", "masks", "inference_logprobs", "scores", "policy_versions")
 
 

@@ -19,7 +19,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         return {
             "paused": stats.paused,
             "policy_version": stats.policy_version,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine": stats.engine,
         }
 

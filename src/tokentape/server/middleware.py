@@ -1,8 +1,8 @@
 """Pure ASGI guards in front of every route (pure ASGI keeps streaming and disconnects working):
 header and body size limits, and keys: trainer keys and session keys (`auth.py` decides who may
-call what; `keys.py` knows the session keys). Each rejection is an error object in the shape of
-the path's dialect, sent before the body is read (but for a body naming a session), so a refused
-request changes nothing."""
+call what; `keys.py` knows the session keys). Each rejection is an error in the shape of the dialect
+at its path (Anthropic's on the Messages route, OpenAI's everywhere else), sent before the body is
+read (but for a body naming a session), so a refused request changes nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import orjson
 
 from tokentape.errors import TokentapeError
 from tokentape.server.auth import KEY_PREFIX, Kind, Refusal, body_session, decide, key_digest, offered_key
-from tokentape.server.errors import shape_for_path
+from tokentape.server.dialects.registry import shape_for_path
 from tokentape.server.keys import KeyState, SessionKeys
 
 __all__ = ["Guard", "GuardSettings", "OPEN_PATHS", "replaying"]
