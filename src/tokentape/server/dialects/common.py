@@ -125,7 +125,7 @@ def chat_call(
     completions' terms: tool calls are parsed when tools are offered and not switched off, and the
     output is constrained to what `tool_choice` and the answer format demand. `template_kwargs` are
     the dialect's own (e.g. Messages' `enable_thinking`); the request's `chat_template_kwargs` win."""
-    if req.chat_template_kwargs:
+    if req.chat_template_kwargs is not None:
         template_kwargs = {**(template_kwargs or {}), **req.chat_template_kwargs}
     return ChatCall(
         messages=messages,
