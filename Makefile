@@ -68,6 +68,7 @@ bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; m
 	$(call on_loopback,$(PY) benchmarks/ray_scale.py)
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/embedded.py
+	$(PY) benchmarks/weight_updates.py
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py

@@ -112,7 +112,7 @@ async def atropos(length: int, calls: int, close: int, tokenizer: Any) -> dict[s
             start = time.perf_counter()  # what the session did after every call before
             export = await local.export(managed.session_id)
             for branch in export["branches"]:
-                await local.http.post("/detokenize", json={"tokens": branch["tokens"]})
+                await local.detokenize(branch["tokens"])
             old_time = time.perf_counter() - start
             if turn:
                 managed_times.append(managed_time)

@@ -62,11 +62,30 @@ def serve(
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            help="Require this API key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated). "
-            "Every route but /health then needs one."
+            help="A trainer key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated): allowed "
+            "every route. Every route but /health then needs a key. Agents get their own session's key "
+            "from POST /sessions (api_key), which reaches only that session's generation routes."
         ),
     ] = None,
-    max_waiting: Annotated[int, typer.Option(help="Requests admitted at once; more get 429 with Retry-After.")] = 64,
+    session_keys: Annotated[
+        str,
+        typer.Option(
+            help="optional: generation may go without a session key (as trainer keys and open mode allow); "
+            "required: every generation request needs a session key."
+        ),
+    ] = "optional",
+    max_in_flight_per_key: Annotated[
+        int | None,
+        typer.Option(min=1, help="Requests one session key may have running at once (429 with Retry-After past it)."),
+    ] = None,
+    max_active: Annotated[
+        int,
+        typer.Option(
+            "--max-active",
+            "--max-waiting",  # its earlier name
+            help="Requests admitted at once (the tokentape_requests_active gauge); more get 429 with Retry-After.",
+        ),
+    ] = 64,
     max_sessions_in_memory: Annotated[
         int, typer.Option(help="Sessions kept in memory (all stay in the store and reload on use).")
     ] = 10_000,
@@ -83,6 +102,21 @@ def serve(
             "X-Tokentape-Prefix-Match says which)."
         ),
     ] = False,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            help="A session whose first sampled token is more than this many weights versions old takes no "
+            "new turns (409 session_stale; its data stays exportable, marked stale). A session's own "
+            "metadata.max_staleness overrides it."
+        ),
+    ] = None,
+    admit_per_version: Annotated[
+        int | None,
+        typer.Option(
+            help="Admit new groups (sessions of one group_id) only while at most (max_staleness + version + 1) "
+            "x this many were admitted since version 0; others get 429 with Retry-After."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
     ray: Annotated[
         str | None,
@@ -121,12 +155,19 @@ def serve(
         rewrite_policy=check_policy(rewrite_policy),
         served_model_name=served_model_name,
         store_path=store,
-        max_waiting=max_waiting,
+        max_active=max_active,
         memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
         match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
-    guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
+    if session_keys not in ("optional", "required"):
+        raise typer.BadParameter("optional or required", param_hint="--session-keys")
+    guard = GuardSettings(
+        api_keys=keys,
+        max_body_bytes=max_body_bytes,
+        require_session_keys=session_keys == "required",
+        max_in_flight_per_key=max_in_flight_per_key,
+    )
     if ray is not None:
         from tokentape.ray.cluster import ClusterSettings, serve_cluster
 
@@ -138,10 +179,15 @@ def serve(
             runtime=settings,
             model_id=served_model_name,
             trajectory_queue=trajectory_queue,
+            guard=guard,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
     gateway, name = build_gateway(settings)
+    if max_staleness is not None or admit_per_version is not None:
+        from tokentape.core.staleness import Staleness
+
+        gateway.set_staleness(Staleness(max_staleness, admit_per_version))
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
         f"(sessions: /sessions/<id>/v1; store: {store}"
@@ -258,6 +304,14 @@ def rollout(
     url: Annotated[
         str | None, typer.Option(help="A running gateway (tokentape serve). Default: one in this process.")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENTAPE_API_KEY",
+            help="A trainer key of the gateway at --url, for creating, rewarding and exporting sessions; "
+            "each agent gets only its own session's key.",
+        ),
+    ] = None,
     format: Annotated[str, typer.Option(help="Dataset format: tokentape, openrlhf, atropos, verifiers, stepwise.")] = (
         "tokentape"
     ),
@@ -279,7 +333,7 @@ def rollout(
     console = Console()
 
     async def go() -> tuple[RolloutStats, int]:
-        gateway = await GatewayClient.connect(url) if url else InProcessGateway()
+        gateway = await GatewayClient.connect(url, api_key=api_key) if url else InProcessGateway()
         columns = (
             TextColumn("[bold]{task.description}"),
             BarColumn(),

@@ -51,7 +51,7 @@ class RuntimeSettings:
     served_model_name: str | None = None
     store_path: str = ":memory:"  # a file keeps every turn across restarts
     engines: tuple[str, ...] = ()  # KIND=URL remote engines; none: the embedded llama.cpp engine
-    max_waiting: int = 64
+    max_active: int = 64  # requests admitted at once (Admission)
     memory: MemoryLimits = field(default_factory=MemoryLimits)
     match_prefix: bool = False  # unnamed chat requests continue the one live session their history extends
 
@@ -87,10 +87,10 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
     )
     if engine is not None:
         name = settings.served_model_name or (None if settings.engines else _file_model_name(settings, path))
-        return Gateway(engine, renderer, registry, max_waiting=settings.max_waiting), name
+        return Gateway(engine, renderer, registry, max_active=settings.max_active), name
     if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
         router = Router([make_engine(spec) for spec in settings.engines], vocab_size=renderer.tokenizer.vocab_size)
-        gateway = Gateway(router, renderer, registry, max_waiting=settings.max_waiting)
+        gateway = Gateway(router, renderer, registry, max_active=settings.max_active)
         return gateway, settings.served_model_name
     engine = LlamaCppEngine(
         LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
@@ -100,7 +100,7 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
             f"the tokenizer's vocabulary ({renderer.tokenizer.vocab_size:,} tokens) does not fit the engine's "
             f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
         )
-    gateway = Gateway(engine, renderer, registry, max_waiting=settings.max_waiting)
+    gateway = Gateway(engine, renderer, registry, max_active=settings.max_active)
     return gateway, settings.served_model_name or _file_model_name(settings, path)
 
 

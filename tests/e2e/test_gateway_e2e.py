@@ -6,6 +6,7 @@ what the session export holds, turn after turn, including streamed and truncated
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -283,6 +284,10 @@ async def test_the_viewer_shows_a_recorded_session_in_a_browser(
     assert dom.count('data-origin="sampled"') == sum(shown["loss_mask"])
     assert dom.count('data-origin="bridge"') == shown["origins"].count("bridge")
     assert dom.count('class="node') == len({t for b in export["branches"] for t in b["turn_ids"]})
+    # one naming: the text's turn badges and the tree's nodes both name a turn by its id
+    badges = [int(t) for t in re.findall(r'<span class="turn[^"]*">turn (\d+)', dom)]
+    assert badges == shown["turn_ids"] and badges != list(range(len(badges)))  # ids, not positions
+    assert set(badges) <= {int(t) for t in re.findall(r'class="node[^"]*"[^>]*>turn (\d+)', dom)}
     assert "fruits" in dom and "vegetables" in dom
 
     output = Path(__file__).resolve().parents[2] / "test-output"

@@ -51,11 +51,26 @@ def test_top_p_top_k_and_min_p_restrict_the_candidates() -> None:
     assert drawn["none"] >= {0, 1, 2, 3}
 
 
-def test_frequencies_follow_the_distribution() -> None:
+# chi-square with 4 degrees of freedom (5 tokens): above this with probability 0.001
+CHI2_4_AT_0_001 = 18.47
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_frequencies_follow_the_temperature(temperature: float) -> None:
+    """The draws fit softmax(logits / T) and, by the same measure, do not fit a temperature 10% off:
+    a sampler at the wrong temperature fails here."""
+    draws = 20_000
     rng = np.random.default_rng(3)
-    counts = np.bincount([sample_token(LOGITS, SamplingParams(), rng)[0] for _ in range(4000)], minlength=5)
-    expected = np.exp(log_softmax(LOGITS.astype(np.float64))) * 4000
-    assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected) + 5)
+    params = SamplingParams(temperature=temperature)
+    counts = np.bincount([sample_token(LOGITS, params, rng)[0] for _ in range(draws)], minlength=5)
+
+    def chi2(t: float) -> float:
+        expected = np.exp(log_softmax(LOGITS.astype(np.float64) / t)) * draws
+        return float(np.sum((counts - expected) ** 2 / expected))
+
+    assert chi2(temperature) < CHI2_4_AT_0_001
+    assert chi2(temperature * 1.1) > CHI2_4_AT_0_001
+    assert chi2(temperature / 1.1) > CHI2_4_AT_0_001
 
 
 def test_top_logprobs_are_the_best_tokens_in_order() -> None:

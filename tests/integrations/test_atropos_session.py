@@ -81,7 +81,7 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
             assert [r.choices[0].message.content for r in replies[1:]] == ["", "", ""]
             (node,) = managed.get_state()["nodes"]
             assert node.metadata["status"] == "context_full" and len(node.tokens) == gateway.engine.context_length
-            whole = (await local.http.post("/detokenize", json={"tokens": node.tokens})).json()["prompt"]
+            whole = await local.detokenize(node.tokens)
             assert node.full_text == whole
             await managed.set_scores([0.0])
         summary = (await local.http.get(f"/sessions/{managed.session_id}")).json()

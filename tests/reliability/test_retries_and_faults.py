@@ -144,7 +144,7 @@ async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(re
 
 
 async def test_overload_answers_429_with_retry_after(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    gateway = Gateway(engine, renderer, SessionRegistry(), max_waiting=1)
+    gateway = Gateway(engine, renderer, SessionRegistry(), max_active=1)
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         responses = await asyncio.gather(
@@ -155,7 +155,7 @@ async def test_overload_answers_429_with_retry_after(engine: LlamaCppEngine, ren
     for rejected in (r for r in responses if r.status_code == 429):
         assert rejected.headers["retry-after"] == "1" and rejected.headers["retry-after-ms"] == "1000"
         assert rejected.json()["error"]["type"] == "rate_limit_error"
-    assert gateway.stats().requests_admitted == 0
+    assert gateway.stats().requests_active == 0
 
 
 def _route_paths(app: Any) -> list[tuple[str, str]]:

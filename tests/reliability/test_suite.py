@@ -44,7 +44,7 @@ async def test_disconnect_storm_aborts_every_generation(server: RunningServer) -
 
 
 async def test_overload_rejects_with_429_and_serves_the_rest() -> None:
-    with running_server(["--context-length", "4096", "--max-waiting", "3"]) as small:
+    with running_server(["--context-length", "4096", "--max-active", "3"]) as small:
         figures = await suite.overload(small, offered=8, waves=2)
     assert 0 < figures["rejected_429_pct"] < 100
 

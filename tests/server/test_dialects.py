@@ -189,3 +189,108 @@ async def test_tokens_as_token_ids_on_responses_and_messages(http: httpx.AsyncCl
     body = {**common, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
     message = (await http.post("/v1/messages", json=body)).json()
     assert [e["token"] for e in message["logprobs"]] == [f"token_id:{t}" for t in message["token_ids"]]
+
+
+# -- the same checks in every chat-like dialect ----------------------------------------------------
+_CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+_RESPONSES = ("/v1/responses", {"input": "Hi", "max_output_tokens": 4})
+_MESSAGES = ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+_SAME_CHECKS = [
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("top_logprobs too large", {"logprobs": True, "include": [responses.LOGPROBS_INCLUDE], "top_logprobs": 50}, None),
+    ("unknown rewrite policy", {"rewrite_policy": "yolo"}, "rewrite_policy"),
+    ("min_p too large", {"min_p": 2}, "min_p"),
+    ("top_k not an integer", {"top_k": "x"}, "top_k"),
+    ("chat_template_kwargs not an object", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize(("route", "base"), [_CHAT, _RESPONSES, _MESSAGES], ids=["chat", "responses", "messages"])
+@pytest.mark.parametrize(("name", "change", "param"), _SAME_CHECKS, ids=[c[0] for c in _SAME_CHECKS])
+async def test_every_chat_like_dialect_checks_the_same_fields(
+    http: httpx.AsyncClient, route: str, base: dict[str, Any], name: str, change: dict[str, Any], param: str | None
+) -> None:
+    """A field one dialect rejects, every dialect rejects, in its own error shape, changing nothing."""
+    body = {"model": MODEL_NAME, **base, **change}
+    response = await http.post(f"/sessions/checked{route}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if param is not None:
+        if route == "/v1/messages":  # Anthropic's shape carries no param: the message names the field
+            assert param in error["message"]
+        else:
+            assert error["param"] == param
+    assert (await http.get("/sessions")).json()["data"] == []
+
+
+async def test_messages_take_the_trainer_fields_of_chat(http: httpx.AsyncClient) -> None:
+    """`min_p`, `top_k`, `seed` and `rewrite_policy` reach the gateway from Messages as from chat:
+    the same seed gives the same tokens on both routes."""
+    common = {"max_tokens": 6, "temperature": 1.0, "min_p": 0.05, "top_k": 20, "seed": 11, "rewrite_policy": "fork"}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = (await http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, **common})).json()
+    message = (await http.post("/v1/messages", json={"model": MODEL_NAME, "messages": messages, **common})).json()
+    assert message["token_ids"] == chat["choices"][0]["token_ids"]
+
+
+# -- nothing that can fail runs after the turn is recorded -----------------------------------------
+async def test_the_previous_response_is_looked_up_once_before_the_turn(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored response that goes (evicted by other traffic) while a turn that continues it runs
+    must not turn that recorded turn into an error: its conversation is read once, before the turn."""
+    first = await http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3})
+    first_id = first.json()["id"]
+    real = responses.ResponseHistory.recall
+    looked_up: list[str] = []
+
+    def recall_once(self: responses.ResponseHistory, response_id: str) -> Any:
+        looked_up.append(response_id)
+        found = real(self, response_id)
+        self._entries.pop(response_id)  # gone for any later look-up, as an eviction would do
+        return found
+
+    monkeypatch.setattr(responses.ResponseHistory, "recall", recall_once)
+    for stream in (False, True):
+        body = {"model": MODEL_NAME, "input": "More", "max_output_tokens": 3, "previous_response_id": first_id}
+        response = await http.post("/v1/responses", json={**body, "stream": stream})
+        assert response.status_code == 200, response.text
+        assert "event: error" not in response.text
+        first_id = response.json()["id"] if not stream else _events(response.text)[-1][1]["response"]["id"]
+    assert len(looked_up) == 2  # once per request
+    session = first.json()["session_id"]
+    (branch,) = (await http.get(f"/sessions/{session}/export")).json()["branches"]
+    assert len(branch["turn_ids"]) == 3  # one branch, extended twice
+
+
+@pytest.mark.parametrize("route", ["responses", "messages"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_sdk_validation_runs_on_a_recorded_turn(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, route: str, stream: bool
+) -> None:
+    """The SDK-type checks of response bodies are the tests' (`check_response`, `check_message`): on
+    the serving path the turn is already recorded, and a failure there would answer 500 for it."""
+
+    class Refuses:
+        @staticmethod
+        def model_validate(body: Any) -> Any:
+            raise AssertionError("validated on the serving path")
+
+    monkeypatch.setattr(responses, "Response", Refuses)
+    monkeypatch.setattr(anthropic, "AnthropicMessage", Refuses)
+    if route == "responses":
+        body: dict[str, Any] = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3}
+    else:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    response = await http.post(f"/v1/{route}", json={**body, "stream": stream})
+    assert response.status_code == 200, response.text
+    assert "event: error" not in response.text
+    with pytest.raises(AssertionError):  # the tests' own checks do use the SDK's types
+        (responses.check_response if route == "responses" else anthropic.check_message)({})
+
+
+async def test_whole_bodies_are_the_sdks_types(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4, "include": [responses.LOGPROBS_INCLUDE]}
+    responses.check_response((await http.post("/v1/responses", json=body)).json())
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
+    anthropic.check_message((await http.post("/v1/messages", json=body)).json())

@@ -48,13 +48,13 @@ async def _scripted_run(http: httpx.AsyncClient, gateway: Gateway) -> int:
     raw = {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 8, "stop": [","], "temperature": 0}
     assert (await http.post("/sessions/raw/v1/completions", json=raw)).status_code == 200
 
-    gateway.admission.limit = 1  # one request at a time: a burst of four gets 429s
+    gateway.admission.max_active = 1  # one request at a time: a burst of four gets 429s
     try:
         burst = await asyncio.gather(
             *(_chat(http, f"burst-{i}", [{"role": "user", "content": "Go"}]) for i in range(4))
         )
     finally:
-        gateway.admission.limit = 64
+        gateway.admission.max_active = 64
     statuses = [r.status_code for r in burst]
     assert set(statuses) == {200, 429}
     return statuses.count(429)
@@ -76,7 +76,10 @@ async def test_metrics_count_what_the_exports_hold(http: httpx.AsyncClient, gate
     samples = _samples(response.text)
 
     def value(name: str, **labels: str) -> float:
-        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A sample the server exported; a missing one fails (it is not read as 0)."""
+        key = (name, tuple(sorted(labels.items())))
+        assert key in samples, f"/metrics has no sample {name}{labels or ''}"
+        return samples[key]
 
     # what the session routes say, computed independently of the counters
     ids = [s["session_id"] for s in (await http.get("/sessions")).json()["data"]]

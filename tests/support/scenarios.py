@@ -66,7 +66,7 @@ async def five_turn_scenario(client: openai.AsyncOpenAI, model: str, http: Any, 
     export = (await http.get(f"/sessions/{session}/export")).json()
     (branch,) = export["branches"]
     tokens, mask, logprobs = branch["tokens"], branch["loss_mask"], branch["logprobs"]
-    assert len(tokens) == len(mask) == len(logprobs) == len(branch["origins"]) == len(branch["turns"])
+    assert len(tokens) == len(mask) == len(logprobs) == len(branch["origins"]) == len(branch["turn_index"])
     for call, (start, end) in zip(calls, branch["action_ranges"], strict=True):
         assert tokens[: len(call["prompt"])] == call["prompt"]
         assert (start, end) == (len(call["prompt"]), len(call["prompt"]) + len(call["ids"]))

@@ -91,3 +91,62 @@ class RefusingEngine:
 
     async def close(self) -> None:
         return None
+
+
+class Stepper:
+    """An engine in front of a real one that holds its first generation after `hold_after` tokens
+    (`reached` is set; the next token waits for `gate`), so that an update lands after exactly that
+    many tokens. Updates go to the real engine (`engines`)."""
+
+    def __init__(self, inner: Any, hold_after: int) -> None:
+        import asyncio
+
+        self.inner = inner
+        self.engines = [inner]
+        self.hold_after = hold_after
+        self.reached = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.calls = 0
+        self.prompts: list[list[int]] = []
+
+    @property
+    def model_id(self) -> str:
+        return str(self.inner.model_id)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.inner.context_length)
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
+    ) -> AsyncGenerator[SampledToken, None]:
+        self.calls += 1
+        self.prompts.append(list(prompt))
+        first = self.calls == 1
+        count = 0
+        stream = self.inner.generate(prompt, params, seed=seed, session_id=session_id, constraint=constraint)
+        try:
+            async for token in stream:
+                if first and count == self.hold_after:
+                    self.reached.set()
+                    await self.gate.wait()
+                count += 1
+                yield token
+            if first and count == self.hold_after:  # it ended there: held before it says so
+                self.reached.set()
+                await self.gate.wait()
+        finally:
+            await stream.aclose()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "stepper", "tokens_generated": 0}
+
+    async def close(self) -> None:
+        return None

@@ -84,3 +84,26 @@ async def test_when_restoring_fails_too_resume_is_refused_until_a_rollback(
             assert (state["paused"], state["weights_version"], stand_in.version) == (False, 0, 0)
     finally:
         own_engine.load_weights = original  # type: ignore[method-assign]
+
+
+async def test_a_client_that_stops_reading_fails_the_update_without_changing_anything(
+    fresh: Gateway, own_engine: LlamaCppEngine, adapters: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokentape.core.sampling import SamplingParams
+    from tokentape.gateway import updates
+    from tokentape.gateway.calls import ChatCall, TextDelta
+    from tokentape.gateway.updates import UpdateFailed
+
+    monkeypatch.setattr(updates, "QUIET_TIMEOUT", 0.3)
+    call = ChatCall(
+        messages=[{"role": "user", "content": "Count to twenty."}],
+        sampling=SamplingParams(max_tokens=20, temperature=0.0),
+        session_id="stuck",
+    )
+    events = fresh.run(call, streamed=True)
+    while not isinstance(await anext(events), TextDelta):  # then it is read no further
+        pass
+    with pytest.raises(UpdateFailed, match=r"did not stop within 0\.3 s"):
+        await fresh.update_weights(1, lora=str(adapters[0]))
+    assert (fresh.gate.version, fresh.paused, own_engine.weights_version) == (0, False, 0)
+    await events.aclose()

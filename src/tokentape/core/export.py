@@ -7,6 +7,9 @@ reported it for that turn's sampling parameters (`logprob_modes`, one per turn):
   temperature_scaled_truncated    after the top-k/top-p/min-p cut too, renormalized
   raw                             log_softmax(logits), temperature ignored (greedy turns; vLLM's default)
 None for a turn recorded before modes were. Prompt and bridge positions carry null, never a number.
+
+Weights versions (`core.versions.version_fields`): `versions` per token (-1 off the sampled tokens),
+`param_version_start` / `param_version_end` over the branch, `policy_spans` per turn.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from typing import Any
 
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import BranchView
+from tokentape.core.versions import version_fields
 
 __all__ = ["EXPORT_SCHEMA_VERSION", "export_branch", "export_session", "common_logprob_mode"]
 
-EXPORT_SCHEMA_VERSION = 1
+EXPORT_SCHEMA_VERSION = 2  # 2: the per-token `turns` (a position, not an id) is named `turn_index`
 
 
 def common_logprob_mode(modes: Iterable[str | None]) -> str | None:
@@ -36,7 +40,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "loss_mask": branch.loss_mask,
         "logprobs": branch.logprobs,
         "origins": [origin.label for origin in branch.origins],
-        "turns": branch.turns,
+        "turn_index": branch.turns,  # per token: its turn's index in this branch's per-turn lists
         "action_ranges": [list(r) for r in branch.action_ranges()],
         "finish_reasons": [node.finish_reason for node in branch.nodes],
         "truncated": leaf.finish_reason == "length",
@@ -47,6 +51,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         "logprob_modes": [node.logprob_mode for node in branch.nodes],
         # per turn: sampled under a constraint (its logprobs are not the free policy's)
         "constrained": [node.constrained for node in branch.nodes],
+        **version_fields(branch),
     }
 
 

@@ -3,7 +3,7 @@
 One branch is one sample (`merged`); `stepwise` makes one sample per turn. Per format:
 
 - tokentape: the native export (tokens, loss_mask, logprobs with null off-policy positions, origins,
-  turns, action_ranges, finish_reasons, rewrites) plus reward, group and metadata.
+  turn_index, action_ranges, finish_reasons, rewrites) plus reward, group and metadata.
 - openrlhf: `observation_tokens`, `action_ranges` ([start, end) of each sampled span),
   `rollout_log_probs` (aligned with the tokens; 0.0 outside the action ranges, as OpenRLHF's own
   executor writes), `truncated`, `reward`.
@@ -13,7 +13,11 @@ One branch is one sample (`merged`); `stepwise` makes one sample per turn. Per f
   `completion_mask` (1 on sampled tokens, 0 on bridges: tool results and user turns are in the
   completion but not trained), `completion_logprobs` (0.0 where the mask is 0).
 - stepwise: per turn, `prompt_ids` = everything the model saw, `completion_ids` = what it sampled,
-  with that turn's reward if one was set, else the branch's.
+  with that turn's reward if one was set, else the branch's, and `completion_versions`.
+
+Every format carries the weights versions (`core.versions.version_fields`): `versions` per token
+(AReaL; -1 where nothing was sampled), `param_version_start` / `param_version_end` (verl) and
+`policy_spans` per turn; OpenRLHF and Atropos rows carry them as extra fields (Atropos: per member).
 
 Bridge tokens have no place of their own in openrlhf/atropos/verifiers: they sit in the observation,
 masked out. Rewrites are listed in the tokentape format only; under the `fork` policy a rewrite is a
@@ -28,7 +32,9 @@ from typing import Any, Literal
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch
 from tokentape.core.session import SessionTree
+from tokentape.core.staleness import LagWindow
 from tokentape.core.tape import BranchView
+from tokentape.core.versions import node_versions, version_fields
 from tokentape.errors import InvalidRequest
 
 __all__ = ["FORMATS", "Format", "Sample", "samples_of", "format_rows", "check_format"]
@@ -57,6 +63,10 @@ class Sample:
     def reward(self) -> float | None:
         return self.tree.outcome.branch_reward(self.branch.leaf.id)
 
+    def versions_of(self, node: Any) -> list[int]:
+        """The version of each sampled token of one turn on this branch (-1: not known)."""
+        return [-1 if v is None else v for v in node_versions(node)]
+
     def head(self) -> dict[str, Any]:
         outcome = self.tree.outcome
         return {
@@ -70,6 +80,8 @@ class Sample:
             "policy_versions": [node.policy_version for node in self.branch.nodes],  # one per turn
             # one per turn: sampled under a constraint, so its logprobs are not the free policy's
             "constrained": [node.constrained for node in self.branch.nodes],
+            # weights versions: per token (AReaL), oldest/newest (verl), per-turn spans
+            **version_fields(self.branch),
         }
 
 
@@ -126,6 +138,7 @@ def _stepwise(sample: Sample) -> list[dict[str, Any]]:
                 "turn_id": node.id,
                 "reward": turn_rewards.get(node.id, sample.reward),
                 "policy_version": node.policy_version,
+                "completion_versions": sample.versions_of(node)[: end - start],
                 "constrained": node.constrained,
                 "prompt_ids": branch.tokens[:start],
                 "completion_ids": branch.tokens[start:end],
@@ -142,6 +155,7 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
         groups.setdefault(sample.tree.outcome.group_id or f"session:{sample.tree.session_id}", []).append(sample)
     rows = []
     for group_id, members in groups.items():
+        versions = [version_fields(m.branch) for m in members]
         rows.append(
             {
                 "schema_version": EXPORT_SCHEMA_VERSION,
@@ -158,17 +172,47 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                 ],
                 "scores": [m.reward for m in members],
                 "policy_versions": [[node.policy_version for node in m.branch.nodes] for m in members],
+                "versions": [fields["versions"] for fields in versions],
+                "param_version_start": [fields["param_version_start"] for fields in versions],
+                "param_version_end": [fields["param_version_end"] for fields in versions],
+                "policy_spans": [fields["policy_spans"] for fields in versions],
                 "constrained": [[node.constrained for node in m.branch.nodes] for m in members],
             }
         )
     return rows
 
 
-def format_rows(samples: Sequence[Sample], fmt: Format) -> list[dict[str, Any]]:
-    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos)."""
+def format_rows(samples: Sequence[Sample], fmt: Format, *, lag: LagWindow | None = None) -> list[dict[str, Any]]:
+    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos).
+
+    `lag` (an export's max_lag): `drop` leaves out every sample with a token sampled under a version
+    older than `lag.oldest`; `mask` keeps them and takes those tokens out of the loss (the formats
+    with a per-token mask: tokentape, verifiers)."""
+    if lag is not None:
+        if lag.mode == "drop":
+            samples = [s for s in samples if not _too_old(s, lag)]
+        elif fmt not in ("tokentape", "verifiers"):
+            raise InvalidRequest("max_lag with mask needs a per-token mask: format tokentape or verifiers")
+        else:
+            return [_masked(row, lag, fmt) for row in format_rows(samples, fmt)]
     if fmt == "atropos":
         return _atropos(samples)
     if fmt == "stepwise":
         return [row for sample in samples for row in _stepwise(sample)]
     build = {"tokentape": _tokentape, "openrlhf": _openrlhf, "verifiers": _verifiers}[fmt]
     return [build(sample) for sample in samples]
+
+
+def _too_old(sample: Sample, lag: LagWindow) -> bool:
+    return any(0 <= v < lag.oldest for v in version_fields(sample.branch)["versions"])
+
+
+def _masked(row: dict[str, Any], lag: LagWindow, fmt: Format) -> dict[str, Any]:
+    versions: list[int] = row["versions"]
+    old = [0 <= v < lag.oldest for v in versions]
+    if fmt == "tokentape":
+        mask = [0 if too_old else m for m, too_old in zip(row["loss_mask"], old, strict=True)]
+        return {**row, "loss_mask": mask, "masked_by_lag": sum(old)}
+    split = len(row["prompt_ids"])
+    mask = [0 if too_old else m for m, too_old in zip(row["completion_mask"], old[split:], strict=True)]
+    return {**row, "completion_mask": mask, "masked_by_lag": sum(old)}

@@ -73,3 +73,36 @@ def spans_from_json(text: str | None) -> tuple[PolicySpan, ...]:
     return tuple(
         PolicySpan(int(d["version"]), int(d["start"]), int(d["end"]), d.get("kv_version")) for d in json.loads(text)
     )
+
+
+def node_versions(node: Any) -> list[int | None]:
+    """One version per sampled token of a turn: its spans, or its label where it has none."""
+    return token_versions(node.policy_spans, len(node.sampled), default=parse_version(node.policy_version))
+
+
+def version_fields(branch: Any) -> dict[str, Any]:
+    """What trainers read about versions, for one branch (a `tape.BranchView`):
+    versions               per token: the version that sampled it, -1 where nothing was sampled or the
+                           version is not known (AReaL's per-token `versions`)
+    param_version_start    the oldest and newest version over its sampled tokens (verl's names)
+    param_version_end
+    policy_spans           per turn: its spans, offsets into that turn's sampled tokens"""
+    per_node: dict[int, list[int | None]] = {}
+    versions: list[int] = []
+    for position, (origin, depth) in enumerate(zip(branch.origins, branch.turns, strict=True)):
+        if int(origin) != 1:  # Origin.SAMPLED
+            versions.append(-1)
+            continue
+        node = branch.nodes[depth]
+        known = per_node.get(depth)
+        if known is None:
+            known = per_node[depth] = node_versions(node)
+        version = known[position - node.sampled_start]
+        versions.append(-1 if version is None else version)
+    sampled = [v for v in versions if v >= 0]
+    return {
+        "versions": versions,
+        "param_version_start": min(sampled) if sampled else None,
+        "param_version_end": max(sampled) if sampled else None,
+        "policy_spans": [[span.as_dict() for span in node.policy_spans] for node in branch.nodes],
+    }

@@ -329,6 +329,34 @@ class LlamaCppEngine:
     def _adopt_cache(self) -> None:
         self._cache_version = self.weights_version
 
+    async def probe_weights(self) -> None:
+        """One forward pass of the loaded weights on a scratch context (the model and the adapter the
+        main context uses), so that the main context's cached prefix survives for `keep`."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._probe_blocking)
+
+    def _probe_blocking(self) -> None:
+        lib = self._lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = 8
+        params.n_threads = params.n_threads_batch = self.settings.threads or default_threads()
+        ctx = lib.llama_init_from_model(self._llama.model, params)
+        if not ctx:
+            raise WeightUpdateFailed("llama.cpp could not create a context for the probe")
+        try:
+            if self._adapter:
+                adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self._adapter)
+                if lib.llama_set_adapters_lora(ctx, adapters, 1, (ctypes.c_float * 1)(1.0)) != 0:
+                    raise WeightUpdateFailed("llama.cpp could not set the adapter on the probe's context")
+            token = (lib.llama_token * 1)(min(self._end_of_turn))
+            if lib.llama_decode(ctx, lib.llama_batch_get_one(token, 1)) != 0:
+                raise WeightUpdateFailed("llama.cpp could not run the probe")
+            pointer = lib.llama_get_logits_ith(ctx, -1)
+            logits = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+            if not np.isfinite(logits).all():
+                raise WeightUpdateFailed("the new weights give logits that are not finite")
+        finally:
+            lib.llama_free(ctx)
+
     def _load_blocking(self, source: WeightSource, version: int) -> None:
         started = time.perf_counter()
         assert source.path is not None  # checked

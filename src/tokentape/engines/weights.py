@@ -5,12 +5,21 @@ succeeded; an engine only does its own part, the engine's own way.
 
     check_weights      before anything is paused: can this engine do it? (path, format, architecture,
                        vocabulary, the engine's version and flags). Raises WeightUpdateRefused; changes nothing.
-    pause_generation   stop sampling. `keep`: running requests stay where they are, KV included, and go on
-                       after `resume_generation`; `continue` / `abort`: the gateway has already closed its
-                       running generations, the engine drops whatever is left.
-    load_weights       load them; raises WeightUpdateFailed with the engine's words.
+    pause_generation   stop sampling. By then the gateway has stopped every generation it runs on this
+                       engine at a token boundary, in every mode (it goes on afterwards from prompt +
+                       sampled tokens as a new request); the engine drops whatever is left of them.
+                       `keep`: keep the KV cache (the continuation may reuse the prefix the old weights
+                       computed: vLLM's prefix cache, SGLang's radix cache, the embedded engine's slot).
+    load_weights       load them; raises WeightUpdateFailed with the engine's words. Also called to put
+                       the current weights back after another engine failed (the same source again, or
+                       `start_source`, an engine's optional attribute, for version 0).
     resume_generation  sample again; `fresh_kv`: drop every cached prefix first (computed under the old
                        weights), which every mode but `keep` asks for.
+
+Between load_weights and resume_generation the gateway probes each engine: its optional
+`probe_weights()` if it has one (the embedded engine: one forward pass on a scratch context, so that
+its cached prefix survives for keep), else its ordinary `generate` (one greedy token of a fixed
+one-token prompt); nothing else is generated meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ __all__ = [
 # What happens to generations running when an update lands:
 #   continue  stop each at a token boundary, then generate on from prompt + sampled tokens on fresh KV
 #             under the new weights, as one turn
-#   keep      the same, but on the KV the old weights computed (the engine pauses in place)
+#   keep      the same, but the engine keeps the KV the old weights computed, for the continuation to reuse
 #   abort     end them with finish reason `abort`
 InFlight = Literal["continue", "keep", "abort"]
 IN_FLIGHT_MODES: tuple[InFlight, ...] = ("continue", "keep", "abort")

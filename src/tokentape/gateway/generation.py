@@ -144,10 +144,13 @@ class ChoiceRun:
 
     async def stream(self) -> AsyncIterator[TextDelta]:
         held: list[str] = []  # the text so far, for a caller that reads only the result
+        stopped_at: float | None = None  # when the last segment stopped at a seam
         while True:
             pin = await self.gate.enter()
             if self.pin is None:
                 self.pin = pin
+            if stopped_at is not None:
+                self.gate.seam_waits.append(time.monotonic() - stopped_at)
             try:
                 async for delta in self._segment(pin, held):
                     yield delta
@@ -156,6 +159,7 @@ class ChoiceRun:
                 self._close_span(pin)
             if not self._seamed:
                 break
+            stopped_at = time.monotonic()
             self._seamed = False
             self.whole = False  # after a seam, streamed from the engine: the next update cuts it at a token
         if self.finish != "stop":
@@ -216,7 +220,9 @@ class ChoiceRun:
                         except asyncio.CancelledError:
                             if not self._took_back_cut():
                                 raise
-                            self._seamed = True  # cut while waiting: nothing of this token came
+                            # cut while waiting: nothing of this token came. At max_tokens (or the end of
+                            # the context) it was only waiting for the engine to end: it is over.
+                            self._seamed = self._room_left()
                             return
                         finally:
                             self._at_engine(False)

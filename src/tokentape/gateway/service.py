@@ -21,12 +21,13 @@ from typing import Any
 
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
+from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, SampledToken
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
-from tokentape.errors import ContextOverflow, InvalidRequest, Overloaded
+from tokentape.errors import Conflict, ContextOverflow, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
     ChatCall,
@@ -40,7 +41,7 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
-from tokentape.gateway.updates import WeightUpdater
+from tokentape.gateway.updates import WeightUpdater, parse_update
 from tokentape.gateway.versions import VersionGate
 from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
@@ -61,7 +62,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class GatewayStats:
     sessions_in_memory: int
-    requests_admitted: int  # requests holding an admission slot now
+    requests_active: int  # requests admitted and not done (holding an admission slot)
     retries_waiting: int  # SDK retries waiting for the request they repeat to finish
     engine_calls: int  # generations started since the gateway started
     paused: bool
@@ -71,11 +72,11 @@ class GatewayStats:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_waiting: int = 64) -> None:
+    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_active: int = 64) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sessions = sessions
-        self.admission = Admission(max_waiting)
+        self.admission = Admission(max_active)
         self.planner = Planner(renderer)
         self.engine_calls = 0
         # RL clients' choice: a request whose max_tokens passes the context gets the room left (finish
@@ -83,12 +84,15 @@ class Gateway:
         self.clip_max_tokens = False
         self.gate = VersionGate()  # the weights version, and the generations running against it
         self.updates = WeightUpdater(self)
+        self.staleness = Staleness()
+        self.group_admission: GroupAdmission | None = None
+        self.admission_retry_after = 5.0
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
         self.metrics = GatewayMetrics()
-        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.admitted)
+        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.active)
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,7 +114,7 @@ class Gateway:
     def stats(self) -> GatewayStats:
         return GatewayStats(
             sessions_in_memory=len(self.sessions),
-            requests_admitted=self.admission.admitted,
+            requests_active=self.admission.active,
             retries_waiting=self.sessions.retries_waiting,
             engine_calls=self.engine_calls,
             paused=self.paused,
@@ -162,6 +166,22 @@ class Gateway:
         members = getattr(self.engine, "engines", None)
         return list(members) if isinstance(members, list) else [self.engine]
 
+    async def update_weights(
+        self,
+        version: int,
+        *,
+        lora: str | None = None,
+        model: str | None = None,
+        engine_managed: bool = False,
+        in_flight: str = "continue",
+    ) -> dict[str, Any]:
+        """Load new weights on every engine and switch to `version`, atomically (as `POST /admin/weights`):
+        the report of each phase's duration, or InvalidRequest/Conflict before anything was paused,
+        or UpdateFailed naming the engine (the gateway then stays held until resume or rollback)."""
+        body: dict[str, Any] = {"version": version, "in_flight": in_flight}
+        body.update({"lora": lora, "model": model, "engine_managed": engine_managed or None})
+        return await self.updates.update(parse_update(body))
+
     def pause(self, *, abort: bool) -> None:
         """Hold new generations (their requests wait, they are not rejected); with `abort`, also stop
         the running ones at their next token (recorded with finish reason "abort"). A generation
@@ -211,6 +231,7 @@ class Gateway:
                     for event in replayed:
                         yield event
                     return
+            await self._check_staleness(session)
             try:
                 ticket.claim()
             except Overloaded:
@@ -241,6 +262,46 @@ class Gateway:
                 async with contextlib.aclosing(choice):
                     async for event in choice:
                         yield event
+
+    async def _check_staleness(self, session: Session) -> None:
+        """A session too old for the policy takes no new turns (marked stale, still exportable); a new
+        group waits for room under admission control (429 with Retry-After)."""
+        tree = session.tree
+        limit = self.staleness.max_staleness
+        own = tree.outcome.metadata.get("max_staleness")  # set per session at creation
+        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+            limit = own
+        first = first_version(tree.nodes)
+        if is_stale(first, self.gate.version, limit):
+            if tree.outcome.metadata.get("stale") is not True:
+                tree.outcome.metadata["stale"] = True
+                await self.sessions.persist(session)
+            raise Conflict(
+                f"session {session.id!r} began under version {first}; the policy is at version "
+                f"{self.gate.version} and max_staleness is {limit}",
+                param="session_id",
+                code="session_stale",
+            )
+        if self.group_admission is not None and not tree.nodes:
+            group = tree.outcome.group_id or f"session:{tree.session_id}"
+            if not self.group_admission.admit(group, self.gate.version):
+                wait = self.group_admission.versions_to_wait(self.gate.version)
+                refused = Overloaded(
+                    f"admitting group {group!r} would exceed (max_staleness + version + 1) x admit_per_version "
+                    f"groups; {wait} more version(s) needed",
+                    retry_after=self.admission_retry_after,
+                )
+                refused.code = "admission_closed"
+                raise refused
+
+    def set_staleness(self, staleness: Staleness, *, retry_after: float = 5.0) -> None:
+        """Bound staleness (`--max-staleness`) and admit new groups in AReaL's form (`--admit-per-version`)."""
+        self.staleness = staleness
+        per_version = staleness.admit_per_version
+        self.group_admission = None
+        if per_version is not None:
+            self.group_admission = GroupAdmission(staleness.max_staleness or 0, per_version)
+        self.admission_retry_after = retry_after
 
     async def _ticket(self, call: Call) -> Ticket:
         """Open the request's session (read from the store only if it is not in memory) and hold it

@@ -2,7 +2,7 @@
 
 A ticket holds the request's session (one this request opened is forgotten again if nothing was
 recorded in it), its request number and its claim on its retry key (a retry waits for the claim),
-an admission slot (past `Admission.limit` requests at once: `Overloaded`) and the session's
+an admission slot (past `Admission.max_active` requests at once: `Overloaded`) and the session's
 in-flight count (a session with requests in flight is never evicted).
 
 The turns a request records are written to the store under its ticket. The claim is released only
@@ -35,21 +35,21 @@ def _log_failure(write: asyncio.Task[None]) -> None:
 
 
 class Admission:
-    """Requests admitted at once; more get `Overloaded` (429 with Retry-After) before any work."""
+    """Active requests (admitted and not done: waiting for or using the engine), at most `max_active`
+    at once; more get `Overloaded` (429 with Retry-After) before any work. One name throughout:
+    `--max-active`, `GatewayStats.requests_active`, the `tokentape_requests_active` gauge."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.admitted = 0
+    def __init__(self, max_active: int) -> None:
+        self.max_active = max_active
+        self.active = 0
 
     def take(self) -> None:
-        if self.admitted >= self.limit:
-            raise Overloaded(
-                f"{self.admitted} requests are already waiting for the engine; retry shortly", retry_after=1.0
-            )
-        self.admitted += 1
+        if self.active >= self.max_active:
+            raise Overloaded(f"{self.active} requests are already active; retry shortly", retry_after=1.0)
+        self.active += 1
 
     def give(self) -> None:
-        self.admitted -= 1
+        self.active -= 1
 
 
 class Ticket:

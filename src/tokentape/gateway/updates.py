@@ -8,7 +8,7 @@ weights on every engine; probe each with a fixed prompt; only if all of that suc
 version and resume (dropping every cached prefix unless `keep`). On a failure the version stays, the
 error names the engine and why, and generation stays held until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
-again). One update at a time: a second one while one runs is refused (409).
+again), or a new update. One update at a time: a second one while one runs is refused (409).
 
 Each phase's duration is reported; `paused` is how long new generations were held.
 """
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
-PROBE_TEXT = "The capital of France is"
+QUIET_TIMEOUT = 30.0  # seconds running generations get to stop at a token boundary (a stuck client's stream)
+PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +135,8 @@ class WeightUpdater:
                 param="version",
                 code="version_not_new",
             )
-        if self.failure is not None and self.failure.loaded:
-            raise Conflict(self.failure.message + "; POST /admin/rollback first", code="weights_mixed")
+        # after a failure that left engines on different weights, a new update is the other way out
+        # (every engine then loads the same new weights); resume is what stays refused
         self.running = True
         try:
             return await self._run(update)
@@ -164,13 +165,22 @@ class WeightUpdater:
                 raise result
         lap("check")
         held_at = time.perf_counter()
-        was_paused = not gate.running.is_set()
+        # held by an operator's pause stays held; held by a failed update is released by this one
+        was_paused = not gate.running.is_set() and self.failure is None
         gate.hold()
         if update.in_flight == "abort":
             gate.abort()
         else:
             gate.seam(update.in_flight)
-        await gate.quiet()
+        try:
+            await asyncio.wait_for(gate.quiet(), QUIET_TIMEOUT)
+        except TimeoutError:
+            if not was_paused:  # nothing was paused or loaded: generations go on under the old version
+                gate.release()
+            raise UpdateFailed(
+                f"running generations did not stop within {QUIET_TIMEOUT:g} s (a client not reading its "
+                f"stream); nothing was loaded, the version stays {gate.version}"
+            ) from None
         lap("hold")
         previous = gate.version
         loaded: list[int] = []
@@ -242,6 +252,10 @@ class WeightUpdater:
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def probe(engine: Any) -> None:  # every engine of the gateway is an Engine too
+            own = getattr(engine, "probe_weights", None)
+            if own is not None:  # the engine's own probe (the embedded one keeps its cached prefix)
+                await own()
+                return
             tokens = [t async for t in engine.generate(prompt, params, seed=0)]
             if len(tokens) != 1 or not math.isfinite(tokens[0].logprob):
                 raise WeightUpdateFailed(f"the probe prompt gave {tokens!r}")
@@ -252,12 +266,12 @@ class WeightUpdater:
         """Load the weights of `version` (the current one) again on `engines`."""
         source = self.history[-1]
 
-        def load(engine: UpdatableEngine) -> Any:
+        async def load(engine: UpdatableEngine) -> None:
             start = getattr(engine, "start_source", None)
             weights = source if source is not None else start
             if not isinstance(weights, WeightSource):
                 raise WeightUpdateFailed("the weights it started with are not known")
-            return engine.load_weights(weights, version)
+            await engine.load_weights(weights, version)
 
         await self._step(engines, "restore", load)
 

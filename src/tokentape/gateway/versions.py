@@ -11,6 +11,7 @@ engines hold different weights.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +46,8 @@ class VersionGate:
         self.seam_mode: InFlight = "continue"
         self.abort_epoch = 0  # bumped by an update (or pause) that ends running turns
         self.at_engine: set[Cuttable] = set()  # generations waiting for the engine's next token
+        # seconds each turn stopped at a seam waited before it generated on (the latest 10,000)
+        self.seam_waits: deque[float] = deque(maxlen=10_000)
         self._in_engine = 0
         self._idle = asyncio.Event()
         self._idle.set()

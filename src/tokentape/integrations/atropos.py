@@ -124,6 +124,7 @@ class ManagedSession:
         if not self._created:
             fields = {"group_id": self._group_id} if self._group_id else {}
             await self.gateway.create_session(self.session_id, metadata={"max_tokens": "clip"}, **fields)
+            self._client = self.gateway.client(self.session_id)  # with the new session's own key
             self._created = True
 
     async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
@@ -198,7 +199,6 @@ class ManagedSession:
     def reset(self) -> None:
         """Forget the tracked nodes: later calls go to a new session (the old one stays recorded)."""
         self.session_id = f"atropos-{uuid.uuid4().hex}"
-        self._client = self.gateway.client(self.session_id)
         self._branches, self._turns, self.status = [], 0, "running"
         self._created = False
 
@@ -247,8 +247,7 @@ class ManagedSession:
             if self.tokenizer is None:  # no tokenizer here: the gateway's, for the new tokens alone
                 texts = parent.texts[:k] if parent is not None and parent.texts else []
                 new = prompt[len(head_tokens) :] + sampled
-                response = await self.gateway.http.post("/detokenize", json={"tokens": new})
-                branch.texts = [*texts, (texts[-1] if texts else "") + str(response.json()["prompt"])]
+                branch.texts = [*texts, (texts[-1] if texts else "") + await self.gateway.detokenize(new)]
                 branch.text = branch.texts[-1]
             self._branches.append(branch)
         if parent is not None and cut == parent.ends[-1]:  # the branch went on: its old end is no leaf now

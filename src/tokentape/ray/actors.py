@@ -18,10 +18,14 @@ from typing import Any
 
 import ray
 
+from tokentape.engines.weights import InFlight
+from tokentape.errors import TokentapeError
+from tokentape.gateway.updates import WeightUpdate
 from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
+from tokentape.server.middleware import GuardSettings
 
 __all__ = [
     "NAMESPACE",
@@ -34,6 +38,7 @@ __all__ = [
     "TrajectoryQueueActor",
     "TrajectoryQueue",
     "RayPeers",
+    "ClusterUpdates",
     "gateway_name",
     "queue_name",
 ]
@@ -155,6 +160,7 @@ class GatewaySpec:
     model_id: str | None = None
     trajectory_queue: str | None = None  # hand finished sessions to this queue
     engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
+    guard: GuardSettings | None = None  # keys and limits
 
 
 class GatewayActor:
@@ -175,10 +181,20 @@ class GatewayActor:
         engines = [make_engine(s) for s in spec.runtime.engines] or [
             ActorEngine(engine_actor_name(i)) for i in range(spec.engine_actors)
         ]
-        router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
+        registry = ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE)
+        router = SharedRouter(engines, registry)
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
+        if not spec.runtime.engines:  # engine actors: the registry updates them for the whole cluster
+            gateway.updates = ClusterUpdates(gateway, registry, spec.engine_actors)  # type: ignore[assignment]
         self.gateway = gateway
-        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True, serving_process=True)
+        self.app = create_app(
+            gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
+        )
+        trainer = spec.guard.trainer_key if spec.guard is not None else None
+        # this gateway's own calls to its app (hand-offs to the trajectory queue) are a trainer's
+        self._own: tuple[tuple[bytes, bytes], ...] = ()
+        if trainer:
+            self._own = ((b"authorization", f"Bearer {trainer}".encode()),)
         self.peers = RayPeers(spec.index)
         self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
         self.url = f"http://{spec.host}:{spec.port}"
@@ -207,6 +223,25 @@ class GatewayActor:
         finally:
             await parts.aclose()  # type: ignore[attr-defined]
 
+    async def hold_for_update(self, in_flight: InFlight) -> None:
+        """A cluster-wide weight update: hold new generations, stop the running ones (at a token
+        boundary, or for good under abort) and wait until none is in an engine."""
+        gate = self.gateway.gate
+        gate.hold()
+        if in_flight == "abort":
+            gate.abort()
+        else:
+            gate.seam(in_flight)
+        await gate.quiet()
+
+    async def finish_update(self, version: int | None) -> None:
+        """Every engine took the weights of `version` (None: the update failed; the version stays):
+        generate again."""
+        if version is not None:
+            self.gateway.gate.version = version
+            self.gateway.gate.label = str(version)
+        self.gateway.gate.release()
+
     async def holds(self, session_id: str) -> bool:
         return await self.gateway.sessions.exists(session_id)
 
@@ -218,12 +253,15 @@ class GatewayActor:
             "node": ray.get_runtime_context().get_node_id(),
             "shard": self.spec.shard,
             "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine_calls": stats.engine_calls,
+            "weights_version": stats.weights_version,
+            "paused": stats.paused,
         }
 
     async def _export(self, session_id: str) -> dict[str, Any] | None:
-        start, body = await collect(self.routing.local(HttpRequest("GET", f"/sessions/{session_id}/export")))
+        request = HttpRequest("GET", f"/sessions/{session_id}/export", headers=self._own)
+        start, body = await collect(self.routing.local(request))
         if start.status != 200:
             return None
         import orjson
@@ -242,7 +280,8 @@ class GatewayActor:
         """After a restart: finished sessions of this shard the queue has not taken yet."""
         import orjson
 
-        start, body = await collect(self.routing.local(HttpRequest("GET", "/export", b"finished=true&output=jsonl")))
+        request = HttpRequest("GET", "/export", b"finished=true&output=jsonl", self._own)
+        start, body = await collect(self.routing.local(request))
         if start.status != 200:
             return
         queue = ray.get_actor(queue_name(self.spec.trajectory_queue or ""), namespace=NAMESPACE)
@@ -251,6 +290,46 @@ class GatewayActor:
         for session_id in missing:
             with contextlib.suppress(Exception):
                 await self._hand_off(session_id)
+
+
+class ClusterUpdates:
+    """`POST /admin/weights` on a gateway of a cluster whose engines are actors: the engine registry
+    runs the update over every engine actor and every gateway (`ray.engines.EngineRegistry`)."""
+
+    def __init__(self, gateway: Any, registry: Any, engine_actors: int) -> None:
+        self.gateway = gateway
+        self.registry = registry
+        self.engine_actors = engine_actors
+        self.running = False
+        self.last: dict[str, Any] | None = None
+
+    async def _gateways(self) -> list[str]:
+        directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        return [gateway_name(i) for i in await directory.gateways.remote()]
+
+    async def update(self, update: WeightUpdate) -> dict[str, Any]:
+        from tokentape.ray.engines import engine_actor_name
+
+        engines = [engine_actor_name(i) for i in range(self.engine_actors)]
+        self.running = True
+        try:
+            call = self.registry.update_weights.remote(
+                update.version, update.source, update.in_flight, await self._gateways(), engines
+            )
+            report: dict[str, Any] = await call
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, TokentapeError) else exc from None
+        finally:
+            self.running = False
+        self.last = report
+        return report
+
+    def check_resumable(self) -> None:
+        return None
+
+    async def rollback(self) -> dict[str, Any]:
+        await self.registry.resume_after_failure.remote(await self._gateways())
+        return {"version": self.gateway.gate.version}
 
 
 class TrajectoryQueue:

@@ -32,6 +32,7 @@ from tokentape.ray.actors import (
 from tokentape.ray.engines import ENGINE_REGISTRY, EmbeddedEngineActor, EngineRegistryActor, engine_actor_name
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
+from tokentape.server.middleware import GuardSettings
 
 __all__ = [
     "ClusterSettings",
@@ -57,6 +58,7 @@ class ClusterSettings:
     trajectory_queue: str | None = None  # a queue name: finished sessions are handed to it
     queue_capacity: int = 1024
     engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
+    guard: GuardSettings | None = None  # keys and limits, the same on every gateway
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -87,6 +89,21 @@ class Cluster:
     def describe(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each gateway's state; a gateway that is restarting is waited for."""
         return [_when_up(lambda g=gateway: g.describe.remote(), timeout) for gateway in self.gateways]
+
+    def update_weights(
+        self, version: int, *, lora: str | None = None, model: str | None = None, in_flight: str = "continue"
+    ) -> dict[str, Any]:
+        """Load new weights on every engine actor and switch every gateway to `version` together."""
+        from tokentape.gateway.updates import parse_update
+        from tokentape.ray.engines import engine_actor_name
+
+        update = parse_update({"version": version, "lora": lora, "model": model, "in_flight": in_flight})
+        gateways = [gateway_name(i) for i in sorted(self.gateway_urls)]
+        engines = [engine_actor_name(i) for i in range(len(self.engines))]
+        report: dict[str, Any] = ray.get(
+            self.registry.update_weights.remote(version, update.source, update.in_flight, gateways, engines)
+        )
+        return report
 
     def stop(self, timeout: float = 30.0) -> None:
         """Kill every actor of the cluster and wait until their names are free again."""
@@ -161,6 +178,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             model_id=settings.model_id,
             trajectory_queue=settings.trajectory_queue,
             engine_actors=len(engine_actors),
+            guard=settings.guard,
         )
         gateways.append(
             GatewayActorClass.options(

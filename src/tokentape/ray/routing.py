@@ -22,13 +22,15 @@ import orjson
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
 from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_body, run_app
+from tokentape.server.auth import offered_key, session_of_key
+from tokentape.server.dialects.registry import PATHS
 from tokentape.store.scan import encode_cursor
 
 __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
 
 _SESSION_PATH = re.compile(r"^/sessions/([^/]+)(/.*)?$")
-# Routes whose JSON body may name the session (`session_id`, as OpenRLHF agents send it).
-_BODY_NAMED = ("/chat/completions", "/completions", "/responses", "/messages", "/generate")
+# Routes whose JSON body may name the session (`session_id`, as OpenRLHF agents send it): every dialect's.
+_BODY_NAMED = PATHS
 _LIST_FIELDS = ("session_ids", "branch_ids", "tokens", "masks", "inference_logprobs", "scores", "policy_versions")
 
 
@@ -150,6 +152,11 @@ class OwnerRouting:
             await parts.aclose()  # type: ignore[attr-defined]  # the owner's app sees the disconnect
 
     async def route(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+        keyed = session_of_key(offered_key(request.header(b"authorization"), request.header(b"x-api-key")))
+        if keyed is not None:  # a session key is checked, and allowed or refused, where its session lives
+            async for part in self._at(await self.peers.owner(keyed), request):
+                yield part
+            return
         if request.method == "GET" and request.path in ("/sessions", "/export"):
             async for part in self._gather(request):
                 yield part

@@ -32,7 +32,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
             "weights_version": stats.weights_version,
             "updating": gateway.updates.running,
             "last_update": gateway.updates.last,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine": stats.engine,
         }
 

@@ -2,8 +2,9 @@
 agent that only lets you set `base_url` still lands in its session. A session may also be named by
 the `X-Session-ID` header or the `session_id` body field.
 
-Generation routes are dialects of the serving layer (`serving.py`); this module wires them, the
-token utilities, the session and admin routes, and the gateway's start and close."""
+Generation routes are dialects of the serving layer (`serving.py`), one per entry of the dialect
+registry (`dialects/registry.py`); this module wires them (on the lean path and as FastAPI routes for
+the schema), the token utilities, the session and admin routes, and the gateway's start and close."""
 
 from __future__ import annotations
 
@@ -23,16 +24,14 @@ from tokentape.gateway.service import Gateway
 from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
-from tokentape.server.dialects.anthropic import AnthropicMessages, MessagesRequest
-from tokentape.server.dialects.generate import GenerateRequest, VLLMGenerate
-from tokentape.server.dialects.responses import OpenAIResponses, ResponsesRequest
+from tokentape.server.dialects.registry import DIALECTS
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
+from tokentape.server.keys import SessionKeys
 from tokentape.server.middleware import Guard, GuardSettings
-from tokentape.server.openai_api import OpenAIChat, OpenAICompletions
-from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from tokentape.server.serving import Serving
+from tokentape.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokentape.server.serving import DialectContext, Serving
 from tokentape.server.sessions_api import add_session_routes, json_object
 
 __all__ = ["GatewayApp", "create_app"]
@@ -114,39 +113,24 @@ def create_app(
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
     renderer = gateway.renderer
-    tool_format = renderer.tool_format
-    chat = serving.route(OpenAIChat(tokenizer, tool_format))
-    completions = serving.route(OpenAICompletions(tokenizer, tool_format))
-    responses = serving.route(OpenAIResponses(tokenizer, tool_format))
-    messages = serving.route(AnthropicMessages(tokenizer, tool_format, renderer.reasoning))
-    generate = serving.route(VLLMGenerate(gateway.engine.context_length))
-    app.add_middleware(Guard, settings=guard or GuardSettings())
+    context = DialectContext(tokenizer, renderer.tool_format, renderer.reasoning, gateway.engine.context_length)
+    generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
+    settings = guard or GuardSettings()
+    keys = SessionKeys(gateway.sessions, settings.max_in_flight_per_key)
+    app.add_middleware(Guard, settings=settings, keys=keys)
     app.lean = HotRoutes(
-        {
-            "/v1/chat/completions": chat,
-            "/v1/completions": completions,
-            "/v1/responses": responses,
-            "/v1/messages": messages,
-            "/inference/v1/generate": generate,
-        },
+        {path: handler for path, (_, handler) in generation.items()},
         on_error=handle_error,
-        guard=Guard(None, guard or GuardSettings()),
+        guard=Guard(None, settings, keys),
     )
+    # FastAPI keeps the same routes for its schema, and again under a session's base URL
+    dialect_routes = APIRouter()
+    for path, (dialect, handler) in generation.items():
+        schema = _body_schema(dialect.request_model)
+        dialect_routes.add_api_route(path, handler, methods=["POST"], openapi_extra=schema)
 
-    # -- OpenAI routes ----------------------------------------------------------------------------
+    # -- OpenAI's other routes ----------------------------------------------------------------------
     openai_routes = APIRouter()
-    openai_routes.add_api_route(
-        "/chat/completions",
-        chat,
-        methods=["POST"],
-        openapi_extra=_body_schema(ChatCompletionRequest),
-    )
-    openai_routes.add_api_route(
-        "/completions",
-        completions,
-        methods=["POST"],
-        openapi_extra=_body_schema(CompletionRequest),
-    )
 
     @openai_routes.get("/models")
     async def models() -> dict[str, Any]:
@@ -170,7 +154,7 @@ def create_app(
             "status": "ok",
             "model": serving.model,
             "sessions_in_memory": stats.sessions_in_memory,
-            "requests_active": stats.requests_admitted,
+            "requests_active": stats.requests_active,
             "engine_calls": stats.engine_calls,
             "tokens_generated": stats.engine.get("tokens_generated"),
         }
@@ -198,21 +182,10 @@ def create_app(
             raise InvalidRequest(f"token IDs must be between 0 and {tokenizer.vocab_size - 1}", param="tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
 
-    # -- the other dialects agents and trainers speak, on the same sessions and tapes ---------------
-    openai_routes.add_api_route("/responses", responses, methods=["POST"], openapi_extra=_body_schema(ResponsesRequest))
-    openai_routes.add_api_route("/messages", messages, methods=["POST"], openapi_extra=_body_schema(MessagesRequest))
-    token_routes = APIRouter()  # vLLM's token route lives at the server root, not under /v1
-    token_routes.add_api_route(
-        "/inference/v1/generate",
-        generate,
-        methods=["POST"],
-        openapi_extra=_body_schema(GenerateRequest),
-    )
-
+    app.include_router(dialect_routes)
+    app.include_router(dialect_routes, prefix="/sessions/{session_id:session}", dependencies=[Depends(_session_path)])
     app.include_router(openai_routes, prefix="/v1")
     app.include_router(openai_routes, prefix="/sessions/{session_id:session}/v1", dependencies=[Depends(_session_path)])
-    app.include_router(token_routes)
-    app.include_router(token_routes, prefix="/sessions/{session_id:session}", dependencies=[Depends(_session_path)])
     app.add_api_route("/health", health, methods=["GET"])
 
     @app.get("/metrics", include_in_schema=False)
@@ -223,7 +196,7 @@ def create_app(
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
-    add_session_routes(app, gateway)
+    add_session_routes(app, gateway, keys)
     add_admin_routes(app, gateway)
     app.state.started = time.time()
     return app

@@ -2,8 +2,8 @@
 in `tokentape.errors`), and each API family spells it its own way through an `ErrorShape`: OpenAI's
 `{"error": {"message", "type", "param", "code"}}`, or Anthropic's `{"type": "error", "error":
 {"type", "message"}}` on the Messages route. The serving layer marks each request with its dialect's
-shape; the guard in front of every route picks it by path (`shape_for_path`); routes outside the
-dialects (sessions, admin, unknown paths) answer in OpenAI's.
+shape; the guard in front of every route picks it by path (the dialect registry's `shape_for_path`);
+routes outside the dialects (sessions, admin, unknown paths) answer in OpenAI's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = [
     "ANTHROPIC_ERRORS",
     "ErrorShape",
     "OPENAI_ERRORS",
-    "shape_for_path",
     "error_body",
     "error_response",
     "handle_error",
@@ -94,11 +93,6 @@ def _anthropic_event(exc: TokentapeError) -> bytes:
 ANTHROPIC_ERRORS = ErrorShape("anthropic", _anthropic_body, _anthropic_event)
 
 
-def shape_for_path(path: str) -> ErrorShape:
-    """The error shape of the client at `path`, for answers given before any route runs."""
-    return ANTHROPIC_ERRORS if path.rstrip("/").endswith("/v1/messages") else OPENAI_ERRORS
-
-
 def use_error_shape(request: Request, shape: ErrorShape) -> None:
     """Answer this request's errors in `shape` (the serving layer calls this first)."""
     request.scope[_SHAPE_KEY] = shape
@@ -106,7 +100,11 @@ def use_error_shape(request: Request, shape: ErrorShape) -> None:
 
 def _shape_of(request: Request) -> ErrorShape:
     shape = request.scope.get(_SHAPE_KEY)
-    return shape if isinstance(shape, ErrorShape) else shape_for_path(request.url.path)  # before any route ran
+    if isinstance(shape, ErrorShape):
+        return shape
+    from tokentape.server.dialects.registry import shape_for_path  # the registry imports this module
+
+    return shape_for_path(request.url.path)  # before any route ran
 
 
 def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from tokentape.server.dialects.common import ChatFields, Number, WireRequest
 
 __all__ = [
     "SamplingFields",
@@ -18,12 +20,6 @@ __all__ = [
 ]
 
 MAX_MESSAGES = 4096  # far beyond any agent's history, small enough to bound per-request work
-
-Number = StrictInt | StrictFloat
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class TextPart(BaseModel):
@@ -54,7 +50,7 @@ class ChatMessage(BaseModel):
     tool_call_id: StrictStr | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(WireRequest):
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -65,12 +61,10 @@ class SamplingFields(_Body):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
-    session_id: StrictStr | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatFields):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
@@ -79,9 +73,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    rewrite_policy: StrictStr | None = None
-    return_tokens_as_token_ids: StrictBool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -89,6 +80,10 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class TokenizeRequest(_Body):

@@ -1,6 +1,8 @@
-"""The serving layer every generation route shares. A dialect (OpenAI chat, OpenAI completions, and
-any API family added later) supplies three things: how its request becomes a gateway call, how the
-gateway's events become its response, and how they become its stream. This module does the rest, the
+"""The serving layer every generation route shares. A dialect (one API family: OpenAI chat,
+completions and Responses, Anthropic Messages, vLLM's token route, and any added later) declares its
+path, request model and error shape, and supplies three methods: `to_call` (its request as a gateway
+call), `respond` (the gateway's events as its response) and `stream` (the same as its stream). The
+registry of dialects (`server.dialects`) builds the routes from these. This module does the rest, the
 same way for all: error shape, session naming, retry identity, the first event before any byte is
 sent (so planning errors are proper error responses), and stopping generation when the client goes.
 """
@@ -13,70 +15,67 @@ import contextlib
 import hashlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import pydantic
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tokentape.core.reply import ToolFormat
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
+from tokentape.server.dialects.common import Caller, WireRequest
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 from tokentape.server.sessions_api import json_object
 
-__all__ = ["Dialect", "Origin", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
+__all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
 SESSION_HEADER = "x-session-id"
 PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
 
-Req = TypeVar("Req", bound=pydantic.BaseModel)
+Req = TypeVar("Req", bound=WireRequest)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 @dataclass(frozen=True, slots=True)
-class Origin:
-    """Who a request is: the session it belongs to, its retry identity, and a client trace id."""
+class DialectContext:
+    """What a dialect may need of the gateway it serves."""
 
-    session_id: str | None
-    request_key: bytes  # names the request by where it went and what it said
-    retry: bool  # an SDK retry: replay the recorded answer, never sample again
-    trace_id: str | None = None
+    tokenizer: Tokenizer
+    tool_format: ToolFormat  # the model's tool-call syntax, for enforced tool choices
+    reasoning: bool  # the chat template reads `enable_thinking`
+    context_length: int
 
 
 class Dialect(abc.ABC, Generic[Req]):
     """One API family's generation route: request translation, response and stream rendering."""
 
-    errors: ErrorShape
+    path: ClassVar[str]  # e.g. "/v1/chat/completions"; also served under /sessions/{session_id}
+    errors: ClassVar[ErrorShape]
     request_model: type[Req]
-    media_type = "text/event-stream"
-    stream_end = b""  # the stream's end marker, after the last event (and after an error event)
+    media_type: ClassVar[str] = "text/event-stream"
+    stream_end: ClassVar[bytes] = b""  # the stream's end marker, after the last event (and after an error event)
+
+    def __init__(self, context: DialectContext) -> None:
+        self.context = context
+        self.tokenizer = context.tokenizer
+        self.tool_format = context.tool_format
 
     @abc.abstractmethod
-    def session_field(self, req: Req) -> str | None:
-        """The session named inside the request body, if the dialect has such a field."""
+    def to_call(self, req: Req, raw: dict[str, Any], caller: Caller) -> Call:
+        """The request as a gateway call; raises InvalidRequest for what the gateway cannot express.
+        Everything that can fail runs here, before the turn is recorded."""
 
     @abc.abstractmethod
-    def model_field(self, req: Req) -> str | None:
-        """The model the request names."""
+    def respond(self, req: Req, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+        """The whole response body once every choice is done (the turn is recorded by then)."""
 
     @abc.abstractmethod
-    def streams(self, req: Req) -> bool:
-        """Whether the client asked for a stream."""
-
-    @abc.abstractmethod
-    def call(self, req: Req, raw: dict[str, Any], origin: Origin) -> Call:
-        """The request as a gateway call; raises InvalidRequest for what the gateway cannot express."""
-
-    @abc.abstractmethod
-    def respond(self, req: Req, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
-        """The whole response body once every choice is done."""
-
-    @abc.abstractmethod
-    def stream(self, req: Req, started: Started, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    def stream(self, req: Req, call: Call, started: Started, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         """The events as framed stream bytes (without the end marker)."""
 
 
@@ -109,23 +108,24 @@ class Serving:
                 req = dialect.request_model.model_validate(raw)
             except pydantic.ValidationError as exc:
                 raise invalid_from_validation(exc) from exc
-            self.check_model(dialect.model_field(req))
-            origin = self.origin(request, dialect.session_field(req), await request.body())
-            streams = dialect.streams(req)
-            events = self.gateway.run(dialect.call(req, raw, origin), streamed=streams)
+            self.check_model(req.model)
+            caller = self.caller(request, req.session_id, await request.body())
+            streams = bool(req.stream)
+            call = dialect.to_call(req, raw, caller)
+            events = self.gateway.run(call, streamed=streams)
             started = await _first(events)
             headers = {"X-Session-ID": started.session_id}
             if started.prefix_match is not None:
                 headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
             if not streams:
                 choices = await _until_done_or_gone(request, events)
-                return json_response(dialect.respond(req, started, choices), headers=headers)
-            body = _framed(dialect, dialect.stream(req, started, events), events)
+                return json_response(dialect.respond(req, call, started, choices), headers=headers)
+            body = _framed(dialect, dialect.stream(req, call, started, events), events)
             return StreamingResponse(body, media_type=dialect.media_type, headers=headers)
 
         return handle
 
-    def origin(self, request: Request, body_session: str | None, body: bytes) -> Origin:
+    def caller(self, request: Request, body_session: str | None, body: bytes) -> Caller:
         """Who the request is. Every session name it carries is checked. The base URL's session
         wins; a header or body name that differs from it is kept as the client's trace id. Without
         a base-URL session, a header and a body field that disagree are an error."""
@@ -145,7 +145,7 @@ class Serving:
             session_id = others[0] if others else None
         if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
             session_id = self.gateway.sessions.unnamed_session(key)
-        return Origin(session_id, key, retry, trace_id)
+        return Caller(session_id, key, retry, trace_id)
 
 
 def _checked(name: str | None) -> str | None:

@@ -1,1 +1,4 @@
-"""Where recorded data goes: dataset files (JSONL, Parquet)."""
+"""Where recorded data goes: the trajectory store (SQLite in WAL mode, one file per gateway process:
+`sqlite.py`, its tables declared column by column in `schema.py`, its writer thread's group commit in
+`writer.py`), scans of stored sessions across one store or several shards (`scan.py`), exports streamed
+a page of sessions at a time (`export.py`), and dataset files, JSONL or Parquet (`datasets.py`)."""

@@ -204,8 +204,12 @@ class RemoteEngine:
             if models:
                 self.model_id = str(models[0].get("id", self.model_id))
                 self.context_length = int(models[0].get("max_model_len") or self.context_length)
+                self._served(models)
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError, AttributeError, IndexError):
             return
+
+    def _served(self, models: list[Any]) -> None:
+        """What an adapter reads from the models the server lists, beyond the first one's name."""
 
     async def check_health(self) -> bool:
         """Probe `/health` on the probe's own connection, never through the generation pool."""
@@ -327,15 +331,21 @@ class RemoteEngine:
                 response.close()
 
     async def _call(
-        self, method: str, path: str, *, body: object = None, params: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: object = None,
+        params: dict[str, str] | None = None,
+        timeout: float = CONTROL_TIMEOUT,
     ) -> object:
-        """A control call (pause, load, resume...) on the control pool, with its own longer timeout;
-        its JSON answer (None when it has no body or no JSON). Errors mapped like a generation's."""
-        with exchange_errors(self.base_url, sending=True, head_timeout=CONTROL_TIMEOUT):
-            async with asyncio.timeout(CONTROL_TIMEOUT):
+        """A control call (pause, load, resume...) on the control pool, with its own timeout; its JSON
+        answer (its text when it is no JSON, None when it is empty). Errors mapped like a generation's."""
+        with exchange_errors(self.base_url, sending=True, head_timeout=timeout):
+            async with asyncio.timeout(timeout):
                 session = self.control.session()
                 async with session.request(
-                    method, path, json=body, params=params, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT)
+                    method, path, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout)
                 ) as response:
                     raw = await response.read()
                     if response.status >= 400:

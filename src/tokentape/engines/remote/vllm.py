@@ -13,7 +13,7 @@ from typing import Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
-from tokentape.engines.remote.client import RemoteEngine
+from tokentape.engines.remote.updates import Need, UpdatableRemote
 from tokentape.engines.remote.wire import (
     best_first,
     listed,
@@ -24,9 +24,26 @@ from tokentape.engines.remote.wire import (
     token_text_id,
     wire_ids,
 )
+from tokentape.engines.weights import InFlight, WeightSource
 from tokentape.errors import EngineProtocolError, InvalidRequest
 
-__all__ = ["VLLMEngine", "VLLMGenerateEngine"]
+__all__ = ["LORA_NAME", "VLLMEngine", "VLLMGenerateEngine"]
+
+# One adapter per engine, replaced in place at each update (`load_inplace`), which generations name as
+# their model once it is loaded: a paused (`keep`) generation goes on under the new adapter's weights.
+LORA_NAME = "tokentape-policy"
+
+DEV_MODE = "vLLM served with VLLM_SERVER_DEV_MODE=1"
+PAUSE = Need("/pause", "pausing", DEV_MODE)
+PAUSE_KEEP = Need("/pause", "pausing in place (keep)", f"{DEV_MODE}, a version whose /pause takes mode", query="mode")
+RESUME = Need("/resume", "resuming", DEV_MODE)
+RESET = Need("/reset_prefix_cache", "dropping the prefix cache computed under the old weights", DEV_MODE)
+LOAD_LORA = Need(
+    "/v1/load_lora_adapter",
+    "loading a LoRA adapter",
+    "vLLM served with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+)
+RELOAD = Need("/collective_rpc", "reloading whole weights", DEV_MODE)
 
 
 def _vllm_structured_outputs(constraint: Constraint) -> dict[str, Any]:
@@ -40,18 +57,55 @@ def _vllm_structured_outputs(constraint: Constraint) -> dict[str, Any]:
     return {"regex" if constraint.kind == "regex" else "grammar": constraint.value}
 
 
-class VLLMEngine(RemoteEngine):
+class VLLMEngine(UpdatableRemote):
     """vLLM's OpenAI server: `/v1/completions`, streamed, prompt as token IDs.
 
     `logprobs_mode` is the server's `--logprobs-mode`: raw_logprobs (vLLM's default: the model's own
     distribution, no temperature, no truncation) or processed_logprobs (after temperature and the
     top-k/top-p/min-p cut, renormalized).
+
+    New weights: pause with `/pause` (`mode=keep` for keep, `abort` otherwise: the gateway has closed
+    its generations already); a LoRA adapter through `/v1/load_lora_adapter` under `LORA_NAME`, in
+    place, after which every generation names it as its model; whole weights reloaded in place from a
+    directory (`/collective_rpc` `reload_weights` with `weights_path`); `/reset_prefix_cache` unless
+    the update keeps the old KV; `/resume`.
     """
 
     kind = "vllm"
     logprobs_modes = ("raw_logprobs", "processed_logprobs")
     constraint_kinds = frozenset({"json_schema", "regex", "grammar"})
     path = "/v1/completions"
+    cache_route, resume_route = RESET.route, RESUME.route
+
+    async def check_weights(self, source: WeightSource, in_flight: InFlight) -> None:
+        self._check_kept_adapter(source, in_flight, swaps_in_place=True)
+        needs = [PAUSE_KEEP if in_flight == "keep" else PAUSE, RESUME]
+        if in_flight != "keep":
+            needs.append(RESET)
+        needs += {"lora": [LOAD_LORA], "model": [RELOAD], "engine_managed": []}[source.kind]
+        await self._require(needs, source)
+
+    async def pause_generation(self, in_flight: InFlight) -> None:
+        # a /pause without `mode` (older vLLM) takes it as abort, which is what every mode but keep asks
+        await self._step("pause", "/pause", params={"mode": "keep" if in_flight == "keep" else "abort"})
+        self.paused = in_flight
+
+    def _served(self, models: list[Any]) -> None:
+        # vLLM lists its loaded adapters among its models: ours, loaded before this gateway started
+        if any(isinstance(model, dict) and model.get("id") == LORA_NAME for model in models):
+            self.adapter = LORA_NAME
+
+    async def load_weights(self, source: WeightSource, version: int) -> None:
+        if source.kind == "lora":
+            body = {"lora_name": LORA_NAME, "lora_path": source.path, "load_inplace": True}
+            await self._step(f"load the LoRA adapter {source.path}", "/v1/load_lora_adapter", body=body)
+            self.adapter = LORA_NAME
+        elif source.kind == "model":
+            # reloaded in place from the new path (vLLM points its model config there itself)
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": source.path}}
+            await self._step(f"reload its weights from {source.path}", "/collective_rpc", body=reload)
+            self.adapter = None  # new base weights; an adapter trained on the old ones is not applied
+        self.weight_version = version
 
     def logprob_mode(self, params: SamplingParams) -> LogprobMode:
         if self.logprobs_mode == "processed_logprobs":
@@ -67,7 +121,7 @@ class VLLMEngine(RemoteEngine):
         whole: bool,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model_id,
+            "model": self.adapter or self.model_id,
             "prompt": wire_ids(prompt),
             **sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "stream": not whole,
@@ -173,7 +227,7 @@ class VLLMGenerateEngine(VLLMEngine):
         if constraint is not None:
             sampling["structured_outputs"] = _vllm_structured_outputs(constraint)
         return {
-            "model": self.model_id,
+            "model": self.adapter or self.model_id,
             "request_id": uuid.uuid4().hex,
             "token_ids": wire_ids(prompt),
             "sampling_params": sampling,

@@ -1,1 +1,2 @@
-"""Translations between other APIs' wire formats and the gateway's chat and completion turns."""
+"""The generation routes' dialects: one module per API family (`registry.DIALECTS` lists them),
+translating between its wire format and the gateway's chat and completion turns."""

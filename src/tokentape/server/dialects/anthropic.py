@@ -8,7 +8,9 @@ returned (its tool_use input compared as parsed JSON), so the tape extends.
 
 Responses: built as the `anthropic` package's own `Message` and stream-event types (validated), with
 the stop reason in Anthropic's words, plus the token data (`prompt_token_ids`, `token_ids`,
-`session_id`, and `logprobs` when the request asks with `logprobs: true`).
+`session_id`, and `logprobs` when the request asks with `logprobs: true`; `top_logprobs` needs it,
+as on chat completions). Trainers' fields are the chat route's: `top_k`, `min_p`, `seed`,
+`chat_template_kwargs`, `rewrite_policy`, `return_tokens_as_token_ids`.
 Errors are Anthropic's shape (`server.errors.ANTHROPIC_ERRORS`).
 """
 
@@ -19,23 +21,21 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Annotated, Any
 
-import orjson
 import pydantic
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from tokentape.core.reply import ToolFormat
-from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest
-from tokentape.gateway.calls import ChatCall, ChoiceDone, Event, Started, TextDelta
-from tokentape.gateway.constraints import output_constraint
-from tokentape.render.renderer import RenderOptions
-from tokentape.render.tokenizer import Tokenizer
+from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.server.dialects import common
+from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
+from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import ANTHROPIC_ERRORS
-from tokentape.server.serving import Dialect, Origin
+from tokentape.server.protocol import MAX_MESSAGES
+from tokentape.server.serving import Dialect, DialectContext
 
 __all__ = [
     "MessagesRequest",
@@ -43,15 +43,13 @@ __all__ = [
     "chat_messages",
     "chat_tools",
     "chat_tool_choice",
+    "check_event",
+    "check_message",
     "AnthropicMessages",
 ]
 
-MAX_MESSAGES = 4096
-Number = StrictInt | StrictFloat
 
-
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class MessagesRequest(ChatFields):
     model: StrictStr
     max_tokens: StrictInt
     messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
@@ -61,17 +59,12 @@ class MessagesRequest(BaseModel):
     stop_sequences: list[StrictStr] | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    top_k: StrictInt | None = None
-    stream: StrictBool | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
     metadata: dict[str, Any] | None = None
-    # what trainers add
-    seed: StrictInt | None = None
-    session_id: StrictStr | None = None
+    # what trainers add, besides ChatFields
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    return_tokens_as_token_ids: StrictBool | None = None
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -164,10 +157,7 @@ def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]
     for i, tool in enumerate(tools):
         if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
             raise InvalidRequest(f"tools[{i}]: only custom tools with a name are supported", param=f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(common.chat_function_tool(tool, "input_schema"))
     return out
 
 
@@ -198,14 +188,14 @@ class MessageShaper:
         *,
         session_id: str,
         prompt: Sequence[int],
-        token_text: Any,
+        tokens: TokenText,
         stopped_by: Any,
     ) -> None:
         self.req = req
         self.id = f"msg_{uuid.uuid4().hex}"
         self.session_id = session_id
         self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
-        self._token_text = token_text  # token id -> (text, bytes)
+        self.tokens = tokens
         self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
         self._index = -1
         self._open: str | None = None  # the kind of the block being streamed
@@ -258,27 +248,10 @@ class MessageShaper:
         }
         if self.req.logprobs:
             body["logprobs"] = self.logprobs(done.tokens)
-        AnthropicMessage.model_validate(body)
         return body
 
     def logprobs(self, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
-        top = self.req.top_logprobs or 0
-        entries = []
-        for sample in tokens:
-            text, raw = self._token_text(sample.token_id)
-            alternatives = [
-                {"token": self._token_text(t)[0], "token_id": t, "logprob": lp} for t, lp in sample.top_logprobs[:top]
-            ]
-            entries.append(
-                {
-                    "token": text,
-                    "token_id": sample.token_id,
-                    "logprob": sample.logprob,
-                    "bytes": raw,
-                    "top_logprobs": alternatives,
-                }
-            )
-        return entries
+        return self.tokens.entries(tokens, self.req.top_logprobs or 0)
 
     # -- the stream ----------------------------------------------------------------------------------
     def opening(self) -> Iterator[dict[str, Any]]:
@@ -362,6 +335,13 @@ def finish_words(finish: FinishReason) -> str:
 _EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
 
 
+def check_message(body: dict[str, Any]) -> dict[str, Any]:
+    """The body checked against the `anthropic` package's own `Message` type, so that a shape the
+    SDK would misread fails in the tests. Never on the serving path: the turn is recorded by then."""
+    AnthropicMessage.model_validate(body)
+    return body
+
+
 def check_event(event: dict[str, Any]) -> dict[str, Any]:
     """One stream event checked against the `anthropic` package's event union (used by the tests)."""
     _EVENTS.validate_python(event)
@@ -369,72 +349,37 @@ def check_event(event: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the dialect -----------------------------------------------------------------------------------
-def _sse(event: dict[str, Any]) -> bytes:
-    """Anthropic's events are named by their type."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 class AnthropicMessages(Dialect[MessagesRequest]):
+    path = "/v1/messages"
     errors = ANTHROPIC_ERRORS
     request_model = MessagesRequest
 
-    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat, reasoning: bool) -> None:
-        self.tokenizer = tokenizer
-        self.tool_format = tool_format
-        self.reasoning = reasoning  # the template reads `enable_thinking`
-        self._end_of_turn = tokenizer.end_of_turn_ids
+    def __init__(self, context: DialectContext) -> None:
+        super().__init__(context)
+        self.reasoning = context.reasoning  # the template reads `enable_thinking`
+        self._end_of_turn = context.tokenizer.end_of_turn_ids
 
-    def session_field(self, req: MessagesRequest) -> str | None:
-        return req.session_id
-
-    def model_field(self, req: MessagesRequest) -> str | None:
-        return req.model
-
-    def streams(self, req: MessagesRequest) -> bool:
-        return bool(req.stream)
-
-    def call(self, req: MessagesRequest, raw: dict[str, Any], origin: Origin) -> ChatCall:
-        if req.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        if req.stop_sequences is not None and len(req.stop_sequences) > 4:
-            raise InvalidRequest("at most 4 stop_sequences", param="stop_sequences")
+    def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
         messages = chat_messages(req.system, req.messages)
         if not any(m["role"] != "system" for m in messages):
             raise InvalidRequest("messages must not be empty", param="messages")
-        tools = chat_tools(req.tools)
-        tool_choice = chat_tool_choice(req.tool_choice)
-        thinking = (req.thinking or {}).get("type") == "enabled"
-        top = req.top_logprobs or 0
-        sampling = SamplingParams(
+        # top_logprobs without logprobs: true is a 400 (SamplingParams), as on chat completions
+        sampling = sampling_from_wire(
+            req,
             max_tokens=req.max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
-            seed=req.seed,
-            stop=tuple(req.stop_sequences or ()),
-            logprobs=bool(req.logprobs) or top > 0,
-            top_logprobs=top,
+            logprobs=bool(req.logprobs),
+            top_logprobs=req.top_logprobs,
+            stop=req.stop_sequences,
+            names={"stop": "stop_sequences"},
         )
+        tools, choice = chat_tools(req.tools), chat_tool_choice(req.tool_choice)
         answer_format = (req.output_config or {}).get("format")
-        template_kwargs = {"enable_thinking": thinking} if self.reasoning else None
-        return ChatCall(
-            messages=messages,
-            sampling=sampling,
-            options=RenderOptions(tools=tools, template_kwargs=template_kwargs),
-            session_id=origin.session_id,
-            parse_tool_calls=bool(tools) and tool_choice != "none",
-            request_key=origin.request_key,
-            retry=origin.retry,
-            trace_id=origin.trace_id,
-            constraint=output_constraint(tools, tool_choice, answer_format, self.tool_format),
+        thinking = {"enable_thinking": (req.thinking or {}).get("type") == "enabled"} if self.reasoning else None
+        return chat_call(
+            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, template_kwargs=thinking
         )
 
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:
-        def token_text(token_id: int) -> tuple[str, list[int]]:
-            piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
-            text = f"token_id:{token_id}" if req.return_tokens_as_token_ids else piece.decode("utf-8", "replace")
-            return text, list(piece)
-
         def stopped_by(tokens: Sequence[SampledToken], finish: FinishReason) -> tuple[str, str | None]:
             """Anthropic's stop reason, and the stop sequence that ended the reply if one did."""
             if finish != "stop":
@@ -449,24 +394,24 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             req,
             session_id=started.session_id,
             prompt=started.prompt_token_ids,
-            token_text=token_text,
+            tokens=TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids)),
             stopped_by=stopped_by,
         )
 
-    def respond(self, req: MessagesRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+    def respond(self, req: MessagesRequest, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
         (done,) = choices
         return self._shaper(req, started).message(done)
 
     async def stream(
-        self, req: MessagesRequest, started: Started, events: AsyncIterator[Event]
+        self, req: MessagesRequest, call: Call, started: Started, events: AsyncIterator[Event]
     ) -> AsyncIterator[bytes]:
         shaper = self._shaper(req, started)
         for opened in shaper.opening():
-            yield _sse(opened)
+            yield named_sse(opened)
         async for event in events:
             if isinstance(event, TextDelta):
                 for shaped in shaper.delta(event):
-                    yield _sse(shaped)
+                    yield named_sse(shaped)
             elif isinstance(event, ChoiceDone):
                 for shaped in shaper.closing(event):
-                    yield _sse(shaped)
+                    yield named_sse(shaped)

@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-import orjson
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest
-from tokentape.gateway.calls import ChoiceDone, CompletionCall, Event, Started, TextDelta
+from tokentape.gateway.calls import Call, ChoiceDone, CompletionCall, Event, Started, TextDelta
+from tokentape.server.dialects.common import Caller, Number, WireRequest, sampling_from_wire
+from tokentape.server.dialects.wire import DONE, TokenText, sse
 from tokentape.server.errors import OPENAI_ERRORS
-from tokentape.server.serving import Dialect, Origin
+from tokentape.server.serving import Dialect
 
 __all__ = ["GenerateRequest", "GenerateShaper", "VLLMGenerate", "finish_reason", "sampling_params"]
 
-Number = StrictInt | StrictFloat
 LOGPROB_FLOOR = -9999.0  # vLLM clamps reported logprobs here
+_BY_ID = TokenText(None)  # vLLM spells every token of this route by its ID, without bytes
 
 
 class VLLMSampling(BaseModel):
@@ -47,34 +48,27 @@ class VLLMSampling(BaseModel):
     skip_special_tokens: StrictBool | None = None
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class GenerateRequest(WireRequest):
     token_ids: list[StrictInt]
     sampling_params: VLLMSampling
-    model: StrictStr | None = None
-    stream: StrictBool | None = None
     request_id: StrictStr | None = None
-    session_id: StrictStr | None = None
 
 
 def sampling_params(sp: VLLMSampling, context_length: int, prompt_length: int) -> SamplingParams:
-    """vLLM's defaults: temperature 1, no truncation, top_k -1 or 0 off, max_tokens the room left."""
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
-        raise InvalidRequest("sampling_params.logprobs must be between 0 and 20", param="sampling_params.logprobs")
-    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
-    return SamplingParams(
-        max_tokens=sp.max_tokens if sp.max_tokens is not None else max(1, context_length - prompt_length),
-        temperature=1.0 if sp.temperature is None else float(sp.temperature),
-        top_p=1.0 if sp.top_p is None else float(sp.top_p),
-        top_k=0 if sp.top_k is None or sp.top_k < 0 else sp.top_k,
-        min_p=0.0 if sp.min_p is None else float(sp.min_p),
-        seed=sp.seed,
-        stop=stop,
-        stop_token_ids=tuple(sp.stop_token_ids or ()),
-        logprobs=sp.logprobs is not None,
-        top_logprobs=sp.logprobs or 0,
-        n=sp.n,
+    """vLLM's defaults: OpenAI's, with top_k -1 as off and max_tokens the room left in the context.
+    `logprobs: N` asks for the sampled token's logprob and N alternatives."""
+    room = max(1, context_length - prompt_length)
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else room
+    return sampling_from_wire(
+        sp, max_tokens=max_tokens, logprobs=sp.logprobs is not None, top_logprobs=sp.logprobs, names=_SAMPLING_NAMES
     )
+
+
+_WIRE_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n")
+_SAMPLING_NAMES = {
+    **{name: f"sampling_params.{name}" for name in _WIRE_NAMES},
+    "top_logprobs": "sampling_params.logprobs",
+}
 
 
 class GenerateShaper:
@@ -86,23 +80,7 @@ class GenerateShaper:
 
     def logprobs(self, tokens: Sequence[SampledToken]) -> dict[str, Any] | None:
         top = self.req.sampling_params.logprobs
-        if top is None:
-            return None
-        content = []
-        for sample in tokens:
-            alternatives = [
-                {"token": f"token_id:{t}", "logprob": max(lp, LOGPROB_FLOOR)} for t, lp in sample.top_logprobs[:top]
-            ]
-            content.append(
-                {
-                    "token": f"token_id:{sample.token_id}",
-                    "token_id": sample.token_id,
-                    "logprob": max(sample.logprob, LOGPROB_FLOOR),
-                    "bytes": None,
-                    "top_logprobs": alternatives,
-                }
-            )
-        return {"content": content}
+        return None if top is None else {"content": _BY_ID.entries(tokens, top, floor=LOGPROB_FLOOR)}
 
     def _choice(self, index: int, tokens: Sequence[SampledToken], finish: str | None) -> dict[str, Any]:
         return {
@@ -137,44 +115,32 @@ def finish_reason(reason: str) -> str:
 
 
 class VLLMGenerate(Dialect[GenerateRequest]):
+    path = "/inference/v1/generate"  # vLLM's token route lives at the server root, not under /v1
     errors = OPENAI_ERRORS
     request_model = GenerateRequest
-    stream_end = b"data: [DONE]\n\n"
+    stream_end: ClassVar[bytes] = DONE
 
-    def __init__(self, context_length: int) -> None:
-        self.context_length = context_length
-
-    def session_field(self, req: GenerateRequest) -> str | None:
-        return req.session_id
-
-    def model_field(self, req: GenerateRequest) -> str | None:
-        return req.model
-
-    def streams(self, req: GenerateRequest) -> bool:
-        return bool(req.stream)
-
-    def call(self, req: GenerateRequest, raw: dict[str, Any], origin: Origin) -> CompletionCall:
+    def to_call(self, req: GenerateRequest, raw: dict[str, Any], caller: Caller) -> CompletionCall:
         if not req.token_ids:
             raise InvalidRequest("token_ids must not be empty", param="token_ids")
         return CompletionCall(
             prompt=req.token_ids,
-            sampling=sampling_params(req.sampling_params, self.context_length, len(req.token_ids)),
-            session_id=origin.session_id,
-            request_key=origin.request_key,
-            retry=origin.retry,
-            trace_id=origin.trace_id,
+            sampling=sampling_params(req.sampling_params, self.context.context_length, len(req.token_ids)),
+            session_id=caller.session_id,
+            request_key=caller.request_key,
+            retry=caller.retry,
+            trace_id=caller.trace_id,
         )
 
-    def respond(self, req: GenerateRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+    def respond(self, req: GenerateRequest, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
         return GenerateShaper(req, session_id=started.session_id, prompt=started.prompt_token_ids).response(choices)
 
     async def stream(
-        self, req: GenerateRequest, started: Started, events: AsyncIterator[Event]
+        self, req: GenerateRequest, call: Call, started: Started, events: AsyncIterator[Event]
     ) -> AsyncIterator[bytes]:
         shaper = GenerateShaper(req, session_id=started.session_id, prompt=started.prompt_token_ids)
         async for event in events:
             if isinstance(event, TextDelta) and event.tokens:
-                yield b"data: " + orjson.dumps(shaper.chunk(event.index, event.tokens, None)) + b"\n\n"
+                yield sse(shaper.chunk(event.index, event.tokens, None))
             elif isinstance(event, ChoiceDone):
-                chunk = shaper.chunk(event.index, [], finish_reason(event.finish_reason))
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                yield sse(shaper.chunk(event.index, [], finish_reason(event.finish_reason)))

@@ -9,8 +9,13 @@ back into the assistant message that was returned, which the session recognises.
 
 Responses: built as the `openai` package's own `Response` and stream-event types (validated, so the
 SDK parses what it expects), plus the token data chat completions carry: `prompt_token_ids`,
-`token_ids`, `session_id`, and with `include=["message.output_text.logprobs"]` or `top_logprobs`
-the sampled tokens' logprobs in `output_logprobs` (every sampled token, tool-call text included).
+`token_ids`, `session_id`. With `include=["message.output_text.logprobs"]` the sampled tokens'
+logprobs are where the SDK reads them: in each `output_text` part (`output[i].content[j].logprobs`)
+and in each `response.output_text.delta`, as OpenAI's `{token, logprob, bytes, top_logprobs}`. A part
+lists the tokens of its text; a delta that carries no text hands its tokens to the next one (a token
+may end inside a character), and tokens that only made reasoning are in no part. Unstreamed, a reply
+comes as one piece, so its part lists every sampled token. `output_logprobs` at the top level keeps
+every sampled token (tool-call text included), as earlier versions answered.
 """
 
 from __future__ import annotations
@@ -25,19 +30,17 @@ from typing import Annotated, Any, Literal
 import orjson
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from tokentape.core.messages import Message
-from tokentape.core.reply import ToolFormat
-from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
-from tokentape.gateway.calls import ChatCall, ChoiceDone, Event, Started, TextDelta
-from tokentape.gateway.constraints import output_constraint
-from tokentape.render.renderer import RenderOptions
-from tokentape.render.tokenizer import Tokenizer
+from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.server.dialects import common
+from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
+from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import OPENAI_ERRORS, ErrorShape
-from tokentape.server.serving import Dialect, Origin
+from tokentape.server.serving import Dialect, DialectContext
 
 __all__ = [
     "OpenAIResponses",
@@ -46,6 +49,8 @@ __all__ = [
     "ResponseShaper",
     "chat_messages",
     "chat_tools",
+    "check_event",
+    "check_response",
     "response_format",
     "LOGPROBS_INCLUDE",
 ]
@@ -54,13 +59,10 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_INPUT_ITEMS = 4096  # as many as chat messages
 RESPONSES_KEPT = 100_000  # conversations kept for previous_response_id; a few KB each
 
-Number = StrictInt | StrictFloat
 
-
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ChatFields):
     """The fields of `responses.create` this gateway reads; others are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: StrictStr
     input: StrictStr | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)] = ""
     instructions: StrictStr | None = None
@@ -75,18 +77,11 @@ class ResponsesRequest(BaseModel):
     include: list[StrictStr] | None = None
     previous_response_id: StrictStr | None = None
     store: StrictBool | None = None
-    stream: StrictBool | None = None
     metadata: dict[str, str] | None = None  # OpenAI's Metadata: string values, echoed in the Response
-    # what vLLM and trainers add
-    seed: StrictInt | None = None
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    session_id: StrictStr | None = None
-    return_tokens_as_token_ids: StrictBool | None = None
 
     @property
     def wants_logprobs(self) -> bool:
-        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+        return LOGPROBS_INCLUDE in (self.include or ())
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -174,10 +169,7 @@ def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]
             raise InvalidRequest(
                 f"tools[{i}]: only function tools are supported (got {tool.get('type')!r})", param=f"tools[{i}]"
             )
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(common.chat_function_tool(tool, "parameters"))
     return out
 
 
@@ -236,26 +228,22 @@ class _OpenItem:
 class ResponseShaper:
     """Shapes one response: the whole object, or the stream of events that builds it."""
 
-    def __init__(
-        self,
-        req: ResponsesRequest,
-        *,
-        session_id: str,
-        prompt: Sequence[int],
-        token_text: Any,
-    ) -> None:
+    def __init__(self, req: ResponsesRequest, *, session_id: str, prompt: Sequence[int], tokens: TokenText) -> None:
         self.req = req
         self.id = _new_id("resp")
         self.created = time.time()
         self.session_id = session_id
         self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
-        self._token_text = token_text  # token id -> (text, bytes) as the logprobs show it
+        self.tokens = tokens
+        self._top = (req.top_logprobs or 0) if req.wants_logprobs else None  # None: no logprobs asked
         self._tools = req.tools or []
         self._sequence = 0
         self._items: list[dict[str, Any]] = []
         self._open: _OpenItem | None = None
         self._message_id = _new_id("msg")
         self._reasoning_id = _new_id("rs")
+        self._streamed_text: list[SampledToken] | None = None  # the message part's tokens, when streamed
+        self._pending: list[SampledToken] = []  # tokens that made no text yet
 
     # -- the whole response --------------------------------------------------------------------------
     def _base(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -285,6 +273,10 @@ class ResponseShaper:
             "session_id": self.session_id,
         }
 
+    def _logprobs(self, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
+        """OpenAI's logprob entries; empty when the request did not ask for them."""
+        return [] if self._top is None else self.tokens.entries(tokens, self._top)
+
     def output_items(self, done: ChoiceDone) -> list[dict[str, Any]]:
         reply = done.reply
         items: list[dict[str, Any]] = []
@@ -299,19 +291,23 @@ class ResponseShaper:
                 }
             )
         if reply.content:
-            items.append(self._message(reply.content, "completed"))
+            text_tokens = done.tokens if self._streamed_text is None else self._streamed_text
+            items.append(self._message(self._part(reply.content, self._logprobs(text_tokens)), "completed"))
         for call in reply.tool_calls:
             items.append(self._function_call(call, "completed"))
         return items
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    @staticmethod
+    def _part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _message(self, part: dict[str, Any] | None, status: str) -> dict[str, Any]:
         return {
             "id": self._message_id,
             "type": "message",
             "role": "assistant",
             "status": status,
-            "content": [part] if status == "completed" else [],
+            "content": [] if part is None else [part],
         }
 
     @staticmethod
@@ -340,28 +336,9 @@ class ResponseShaper:
             "total_tokens": len(self.prompt) + len(done.tokens),
         }
         body["token_ids"] = [t.token_id for t in done.tokens]
-        if self.req.wants_logprobs:
-            body["output_logprobs"] = self.logprobs(done.tokens)
-        return _validated(body)
-
-    def logprobs(self, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
-        top = self.req.top_logprobs or 0
-        entries = []
-        for sample in tokens:
-            text, raw = self._token_text(sample.token_id)
-            entries.append(
-                {
-                    "token": text,
-                    "token_id": sample.token_id,
-                    "logprob": sample.logprob,
-                    "bytes": raw,
-                    "top_logprobs": [
-                        {"token": self._token_text(t)[0], "token_id": t, "logprob": lp, "bytes": self._token_text(t)[1]}
-                        for t, lp in sample.top_logprobs[:top]
-                    ],
-                }
-            )
-        return entries
+        if self._top is not None:  # every sampled token, tool-call text included
+            body["output_logprobs"] = self._logprobs(done.tokens)
+        return body
 
     # -- the stream ----------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -370,7 +347,8 @@ class ResponseShaper:
         return event
 
     def opening(self) -> Iterator[dict[str, Any]]:
-        base = _validated(self._base("in_progress", []))
+        self._streamed_text = []
+        base = self._base("in_progress", [])
         yield self._event("response.created", response=base)
         yield self._event("response.in_progress", response=base)
 
@@ -388,10 +366,14 @@ class ResponseShaper:
             yield self._event("response.content_part.done", part=part, **where)
             done = {"id": item.id, "type": "reasoning", "summary": [], "content": [part], "status": "completed"}
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            yield self._event("response.output_text.done", text=text, logprobs=[], **where)
+            assert self._streamed_text is not None
+            self._streamed_text += self._pending  # what followed the last text, the end of turn token included
+            self._pending = []
+            logprobs = self._logprobs(self._streamed_text)
+            part = self._part(text, logprobs)
+            yield self._event("response.output_text.done", text=text, logprobs=logprobs, **where)
             yield self._event("response.content_part.done", part=part, **where)
-            done = {**self._message(text, "completed")}
+            done = self._message(part, "completed")
         self._items.append(done)
         yield self._event("response.output_item.done", item=done, output_index=item.index)
 
@@ -409,8 +391,8 @@ class ResponseShaper:
             }
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
-            item = self._message("", "in_progress")
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = self._message(None, "in_progress")
+            part = self._part("", [])
         self._open = _OpenItem(kind, item["id"], index)
         yield self._event("response.output_item.added", item=item, output_index=index)
         yield self._event(
@@ -418,6 +400,8 @@ class ResponseShaper:
         )
 
     def delta(self, event: TextDelta) -> Iterator[dict[str, Any]]:
+        if event.text or not event.reasoning:  # tokens that only made reasoning are in no part
+            self._pending += event.tokens
         for kind, text in (("reasoning", event.reasoning), ("message", event.text)):
             if not text:
                 continue
@@ -429,7 +413,10 @@ class ResponseShaper:
             if kind == "reasoning":
                 yield self._event("response.reasoning_text.delta", delta=text, **where)
             else:
-                yield self._event("response.output_text.delta", delta=text, logprobs=[], **where)
+                assert self._streamed_text is not None
+                tokens, self._pending = self._pending, []
+                self._streamed_text += tokens
+                yield self._event("response.output_text.delta", delta=text, logprobs=self._logprobs(tokens), **where)
 
     def closing(self, done: ChoiceDone) -> Iterator[dict[str, Any]]:
         yield from self._close_open()
@@ -455,9 +442,9 @@ class ResponseShaper:
 _EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 
 
-def _validated(body: dict[str, Any]) -> dict[str, Any]:
-    """The body checked against the `openai` package's own `Response` type: a shape the SDK would
-    misread fails here, in our tests, instead of in an agent."""
+def check_response(body: dict[str, Any]) -> dict[str, Any]:
+    """The body checked against the `openai` package's own `Response` type, so that a shape the SDK
+    would misread fails in the tests. Never on the serving path: the turn is recorded by then."""
     Response.model_validate(body)
     return body
 
@@ -477,114 +464,82 @@ def _responses_error_event(exc: TokentapeError) -> bytes:
 RESPONSES_ERRORS = ErrorShape("openai-responses", OPENAI_ERRORS.body, _responses_error_event)
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    """Responses events are named by their type."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 class OpenAIResponses(Dialect[ResponsesRequest]):
+    path = "/v1/responses"
     errors = RESPONSES_ERRORS
     request_model = ResponsesRequest
 
-    def __init__(self, tokenizer: Tokenizer, tool_format: ToolFormat, history: ResponseHistory | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.tool_format = tool_format
+    def __init__(self, context: DialectContext, history: ResponseHistory | None = None) -> None:
+        super().__init__(context)
         self.history = history or ResponseHistory()
 
-    def session_field(self, req: ResponsesRequest) -> str | None:
-        return req.session_id
-
-    def model_field(self, req: ResponsesRequest) -> str | None:
-        return req.model
-
-    def streams(self, req: ResponsesRequest) -> bool:
-        return bool(req.stream)
-
-    def _conversation(self, req: ResponsesRequest) -> tuple[str | None, list[Message]]:
-        """The session the previous response lives in (if any), and the conversation without the
-        instructions: the previous response's, then this request's input."""
-        owner: str | None = None
+    def to_call(self, req: ResponsesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
+        """The conversation `previous_response_id` continues is looked up here, once, before the
+        turn: nothing after the turn is recorded can fail for it."""
+        session_id = caller.session_id
         earlier: list[Message] = []
         if req.previous_response_id is not None:
             owner, earlier = self.history.recall(req.previous_response_id)
-        return owner, [*earlier, *chat_messages(req.input)]
-
-    def call(self, req: ResponsesRequest, raw: dict[str, Any], origin: Origin) -> ChatCall:
-        owner, conversation = self._conversation(req)
-        session_id = origin.session_id
-        if owner is not None:
             if session_id is not None and session_id != owner:
                 raise InvalidRequest(
                     f"previous_response_id belongs to session '{owner}', not '{session_id}'",
                     param="previous_response_id",
                 )
             session_id = owner
-        if not conversation:
+        messages: list[Message] = [*earlier, *chat_messages(req.input)]
+        if not messages:
             raise InvalidRequest("input must not be empty", param="input")
-        messages: list[Message] = list(conversation)
         if req.instructions:
             messages.insert(0, {"role": "system", "content": req.instructions})
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
-        tools = chat_tools(req.tools)
-        tool_choice = chat_tool_choice(req.tool_choice)
-        sampling = SamplingParams(
+        if req.top_logprobs and not req.wants_logprobs:  # as chat answers top_logprobs without logprobs
+            raise InvalidRequest(f"top_logprobs requires include=['{LOGPROBS_INCLUDE}']", param="top_logprobs")
+        sampling = sampling_from_wire(
+            req,
             max_tokens=req.max_output_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
-            min_p=0.0 if req.min_p is None else float(req.min_p),
-            seed=req.seed,
             logprobs=req.wants_logprobs,
-            top_logprobs=req.top_logprobs or 0,
+            top_logprobs=req.top_logprobs,
+            names={"max_tokens": "max_output_tokens"},
         )
-        return ChatCall(
-            messages=messages,
-            sampling=sampling,
-            options=RenderOptions(tools=tools),
-            session_id=session_id,
-            parse_tool_calls=bool(tools) and tool_choice != "none",
-            request_key=origin.request_key,
-            retry=origin.retry,
-            trace_id=origin.trace_id,
-            constraint=output_constraint(tools, tool_choice, response_format(req.text), self.tool_format),
+        tools, choice, answer_format = (
+            chat_tools(req.tools),
+            chat_tool_choice(req.tool_choice),
+            response_format(req.text),
+        )
+        return chat_call(
+            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, session_id=session_id
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
-        def token_text(token_id: int) -> tuple[str, list[int]]:
-            piece = self.tokenizer.token_bytes(token_id) or self.tokenizer.special_text(token_id).encode()
-            text = f"token_id:{token_id}" if req.return_tokens_as_token_ids else piece.decode("utf-8", "replace")
-            return text, list(piece)
+        tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
+        return ResponseShaper(req, session_id=started.session_id, prompt=started.prompt_token_ids, tokens=tokens)
 
-        return ResponseShaper(
-            req, session_id=started.session_id, prompt=started.prompt_token_ids, token_text=token_text
-        )
-
-    def _remember(self, req: ResponsesRequest, shaper: ResponseShaper, started: Started, done: ChoiceDone) -> None:
+    def _remember(self, req: ResponsesRequest, call: Call, shaper: ResponseShaper, done: ChoiceDone) -> None:
+        """Keeps the conversation for a later `previous_response_id` (a dict insert: cannot fail)."""
         if req.store is not False:
-            _, conversation = self._conversation(req)
-            self.history.remember(shaper.id, started.session_id, [*conversation, done.reply.message()])
+            assert isinstance(call, ChatCall)
+            conversation = list(call.messages[1:] if req.instructions else call.messages)
+            self.history.remember(shaper.id, shaper.session_id, [*conversation, done.reply.message()])
 
-    def respond(self, req: ResponsesRequest, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
+    def respond(self, req: ResponsesRequest, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
         shaper = self._shaper(req, started)
         (done,) = choices
-        self._remember(req, shaper, started, done)
+        self._remember(req, call, shaper, done)
         return shaper.response(done)
 
     async def stream(
-        self, req: ResponsesRequest, started: Started, events: AsyncIterator[Event]
+        self, req: ResponsesRequest, call: Call, started: Started, events: AsyncIterator[Event]
     ) -> AsyncIterator[bytes]:
         shaper = self._shaper(req, started)
         for opened in shaper.opening():
-            yield _sse(opened)
+            yield named_sse(opened)
         try:
             async for event in events:
                 if isinstance(event, TextDelta):
                     for shaped in shaper.delta(event):
-                        yield _sse(shaped)
+                        yield named_sse(shaped)
                 elif isinstance(event, ChoiceDone):
-                    self._remember(req, shaper, started, event)
+                    self._remember(req, call, shaper, event)
                     for shaped in shaper.closing(event):
-                        yield _sse(shaped)
+                        yield named_sse(shaped)
         except TokentapeError as exc:  # after the first byte: an error event with its place in the sequence
-            yield _sse(shaper.error(exc.message, exc.code, exc.param))
+            yield named_sse(shaper.error(exc.message, exc.code, exc.param))

@@ -1,0 +1,111 @@
+"""Bounded staleness, pure: which sessions are too old to go on, which new groups may start, which
+samples (or tokens) an export keeps.
+
+A session's age is the version of its first sampled token. With `max_staleness` K, a session whose
+first token is older than `current - K` gets no new turns (its turns stay exportable, marked stale):
+the trainer never receives an episode sampled across more than K + 1 versions.
+
+Admission in AReaL's form: with B groups per version, a new group is admitted only while the groups
+admitted since version 0 stay within (K + current + 1) x B, so that no more groups run ahead of the
+trainer than it can consume before they grow stale.
+
+`max_lag` filters an export against the current version: `drop` removes a sample whose oldest token
+is older than `current - lag`; `mask` keeps it and takes those tokens out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokentape.core.versions import node_versions
+
+__all__ = [
+    "GroupAdmission",
+    "LagWindow",
+    "LagMode",
+    "Staleness",
+    "admission_limit",
+    "first_version",
+    "is_stale",
+    "lag_filter",
+]
+
+LagMode = Literal["drop", "mask"]
+
+
+@dataclass(frozen=True, slots=True)
+class Staleness:
+    max_staleness: int | None = None  # K; None: unbounded
+    admit_per_version: int | None = None  # B; None: no admission control
+
+
+def first_version(nodes: Sequence[Any]) -> int | None:
+    """The version of a session's first sampled token (turns in the order recorded); None if unknown."""
+    for node in nodes:
+        if node.sampled:
+            return node_versions(node)[0]
+    return None
+
+
+def is_stale(first: int | None, current: int, max_staleness: int | None) -> bool:
+    """Whether a session whose first token was sampled under `first` may take no more turns."""
+    return max_staleness is not None and first is not None and first < current - max_staleness
+
+
+def admission_limit(current: int, max_staleness: int, per_version: int) -> int:
+    """Groups that may have been admitted since version 0 while the trainer is at `current`."""
+    return (max_staleness + current + 1) * per_version
+
+
+class GroupAdmission:
+    """The groups admitted so far; a group is counted once, when its first session starts."""
+
+    def __init__(self, max_staleness: int, per_version: int) -> None:
+        if max_staleness < 0 or per_version < 1:
+            raise ValueError("max_staleness must be >= 0 and per_version >= 1")
+        self.max_staleness = max_staleness
+        self.per_version = per_version
+        self.admitted: set[str] = set()
+
+    def admit(self, group: str, current: int) -> bool:
+        """Admit `group` (True), or refuse it for now (False): admitting would exceed the limit."""
+        if group in self.admitted:
+            return True
+        if len(self.admitted) + 1 > admission_limit(current, self.max_staleness, self.per_version):
+            return False
+        self.admitted.add(group)
+        return True
+
+    def versions_to_wait(self, current: int) -> int:
+        """How many versions must pass before one more group fits."""
+        needed = len(self.admitted) + 1
+        return max(0, -(-needed // self.per_version) - self.max_staleness - 1 - current)
+
+
+@dataclass(frozen=True, slots=True)
+class LagWindow:
+    """An export's `max_lag`: tokens sampled under a version older than `current - max_lag` are too old."""
+
+    current: int
+    max_lag: int
+    mode: LagMode = "drop"
+
+    @property
+    def oldest(self) -> int:
+        return self.current - self.max_lag
+
+
+def lag_filter(row: dict[str, Any], current: int, max_lag: int, mode: LagMode) -> dict[str, Any] | None:
+    """One exported row (with `versions` and `loss_mask`, as `export_branch` makes them) under
+    `max_lag`: None to drop it, or the row with too-old tokens masked out (`mask`)."""
+    oldest = current - max_lag
+    versions: list[int] = row["versions"]
+    old = [0 <= v < oldest for v in versions]
+    if not any(old):
+        return row
+    if mode == "drop":
+        return None
+    mask = [0 if too_old else m for m, too_old in zip(row["loss_mask"], old, strict=True)]
+    return {**row, "loss_mask": mask, "masked_by_lag": sum(old)}

@@ -1,0 +1,150 @@
+"""What the dialects share on the way in: the request fields every one of them has, OpenAI's
+sampling defaults and limits (`sampling_from_wire`), and the chat call the chat-like dialects (chat
+completions, Responses, Messages) all become (`chat_call`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from tokentape.core.messages import Message
+from tokentape.core.reply import ToolFormat
+from tokentape.core.sampling import SamplingParams
+from tokentape.errors import InvalidRequest
+from tokentape.gateway.calls import ChatCall
+from tokentape.gateway.constraints import output_constraint
+from tokentape.gateway.sessions import check_policy
+from tokentape.render.renderer import RenderOptions
+
+__all__ = [
+    "Caller",
+    "ChatFields",
+    "Number",
+    "WireRequest",
+    "chat_call",
+    "chat_function_tool",
+    "sampling_from_wire",
+]
+
+Number = StrictInt | StrictFloat
+
+
+class WireRequest(BaseModel):
+    """The fields the serving layer reads from every dialect's request. Strict: a string where a
+    number belongs is an error, not a guess; unknown fields are ignored, as OpenAI-compatible servers
+    do, so that SDK `extra_body` additions meant for other servers do not fail."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: StrictStr | None = None
+    stream: StrictBool | None = None
+    session_id: StrictStr | None = None
+
+
+class ChatFields(WireRequest):
+    """What trainers add to every chat-like dialect, under the same names as vLLM's chat route."""
+
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    rewrite_policy: StrictStr | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request is: the session it belongs to, its retry identity, and a client trace id."""
+
+    session_id: str | None
+    request_key: bytes  # names the request by where it went and what it said
+    retry: bool  # an SDK retry: replay the recorded answer, never sample again
+    trace_id: str | None = None
+
+
+def sampling_from_wire(
+    req: BaseModel,
+    *,
+    max_tokens: int | None,
+    logprobs: bool = False,
+    top_logprobs: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> SamplingParams:
+    """The sampling parameters of a request whose fields bear OpenAI's names (`temperature`, `top_p`,
+    `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`, `n`; those it lacks count as left out), with
+    OpenAI's defaults for what it leaves out: temperature 1, top_p 1, no top-k or min-p cut, one
+    choice. A top_k below 0 is vLLM's "off". `SamplingParams` checks the ranges against its named
+    limits. `stop`: the stop strings, where the dialect names them otherwise. `names`: the dialect's
+    own name for a parameter (e.g. `max_tokens` -> `max_output_tokens`), so that an error names the
+    field the client sent."""
+    fields = req.__dict__  # declared fields only: an undeclared one a client sends (kept as an extra) is not read
+    temperature, top_p, top_k = fields.get("temperature"), fields.get("top_p"), fields.get("top_k")
+    min_p, n = fields.get("min_p"), fields.get("n")
+    stop = fields.get("stop") if stop is None else stop
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            top_k=0 if top_k is None or top_k < 0 else top_k,
+            min_p=0.0 if min_p is None else float(min_p),
+            seed=fields.get("seed"),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop_token_ids=tuple(fields.get("stop_token_ids") or ()),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs or 0,
+            n=1 if n is None else n,
+        )
+    except InvalidRequest as exc:
+        wire_name = (names or {}).get(exc.param or "")
+        if wire_name is None or exc.param is None:
+            raise
+        message = exc.message
+        if message.startswith(exc.param + " "):  # "max_tokens must be ..." -> "max_output_tokens must be ..."
+            message = wire_name + message[len(exc.param) :]
+        raise InvalidRequest(message, param=wire_name) from exc
+
+
+def chat_call(
+    req: ChatFields,
+    caller: Caller,
+    messages: Sequence[Message],
+    sampling: SamplingParams,
+    tool_format: ToolFormat,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    response_format: Mapping[str, Any] | None,
+    *,
+    template_kwargs: Mapping[str, Any] | None = None,
+    session_id: str | None = None,
+) -> ChatCall:
+    """A chat-like request as the gateway's chat call, its tools and answer format already in chat
+    completions' terms: tool calls are parsed when tools are offered and not switched off, and the
+    output is constrained to what `tool_choice` and the answer format demand. `template_kwargs` are
+    the dialect's own (e.g. Messages' `enable_thinking`); the request's `chat_template_kwargs` win."""
+    if req.chat_template_kwargs is not None:
+        template_kwargs = {**(template_kwargs or {}), **req.chat_template_kwargs}
+    return ChatCall(
+        messages=messages,
+        sampling=sampling,
+        options=RenderOptions(tools=tools, template_kwargs=template_kwargs),
+        session_id=session_id if session_id is not None else caller.session_id,
+        rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
+        parse_tool_calls=bool(tools) and tool_choice != "none",
+        request_key=caller.request_key,
+        retry=caller.retry,
+        trace_id=caller.trace_id,
+        constraint=output_constraint(tools, tool_choice, response_format, tool_format),
+    )
+
+
+def chat_function_tool(tool: Mapping[str, Any], schema_field: str) -> dict[str, Any]:
+    """A dialect's function tool (its name, description, and parameter schema under `schema_field`)
+    as a chat tool."""
+    function = {"name": tool["name"], "parameters": tool.get(schema_field) or {"type": "object"}}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}

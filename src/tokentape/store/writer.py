@@ -1,0 +1,247 @@
+"""The store's threads: one connection each, and the writer's group commit.
+
+`_Worker` owns one SQLite connection and one queue. As the writer, it takes every write job waiting
+and commits them in one transaction (while one commit runs, the next batch gathers); a batch in which
+anything fails is rolled back and its jobs retried one transaction each, so a failing job fails alone
+and the others commit. A writer with nothing queued or in hand may have a write committed by its
+caller on the caller's thread instead (`commit_here`). As a reader, it runs each read alone.
+
+A job's result lands where its caller waits: an asyncio future of the caller's event loop (one
+`call_soon_threadsafe` per committed batch), or a concurrent future outside one. `Write` is what a
+writer's caller awaits: shielded, so a cancelled awaiter never cancels the write. Jobs know nothing of
+the schema: each is a function of the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import Any, Generic, TypeVar
+
+from tokentape.errors import StoreFailure
+
+__all__ = ["BUSY_TIMEOUT_MS", "MAX_BATCH", "STOP", "Job", "Worker", "Write", "settle_all"]
+
+T = TypeVar("T")
+log = logging.getLogger("tokentape.store")
+
+MAX_BATCH = 256  # jobs per transaction: bounds how long one commit holds the first job's caller
+BUSY_TIMEOUT_MS = 5000  # how long the writer thread waits for another connection's write lock
+
+
+class Write(Generic[T]):
+    """A queued write. Awaiting it returns the job's result after its commit, or raises
+    `StoreFailure`. The write is queued when this object is made, and awaiting is shielded: a
+    cancelled awaiter stops waiting, the write still commits. Several tasks may await one write."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return asyncio.shield(self._job.landing()).__await__()
+
+    def done(self) -> bool:
+        return self._job.settled
+
+
+class Job:
+    """One unit of work for a store thread, and the hand-over of its result to whoever waits.
+
+    Made inside an event loop, the result lands on an asyncio future of that loop, set by one
+    `call_soon_threadsafe` per committed batch (cheaper than a concurrent future wrapped per await).
+    Made outside one, it lands on a concurrent future."""
+
+    __slots__ = ("apply", "future", "loop", "settled", "waiter", "what", "write")
+
+    def __init__(self, apply: Callable[[sqlite3.Connection], Any], what: str, write: bool = True) -> None:
+        self.apply = apply
+        self.what = what  # names the job in errors
+        self.write = write  # False: a read, run alone outside any transaction
+        self.settled = False
+        self.loop = _running_loop()
+        self.waiter: asyncio.Future[Any] | None = None if self.loop is None else self.loop.create_future()
+        self.future: Future[Any] | None = Future() if self.loop is None else None
+
+    def landing(self) -> asyncio.Future[Any]:
+        if self.waiter is not None:
+            return self.waiter
+        assert self.future is not None
+        return asyncio.wrap_future(self.future)
+
+
+def _land(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for waiter, value, error in outcomes:
+        _set(waiter, value, error)
+
+
+def _set(future: asyncio.Future[Any] | Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():  # a read whose reader was cancelled
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
+
+
+def settle_all(settled: list[tuple[Job, Any, BaseException | None]]) -> None:
+    """Hand results over: concurrent futures directly, each event loop's in one call."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
+    for job, value, error in settled:
+        job.settled = True
+        if job.future is not None:
+            _set(job.future, value, error)
+        elif job.loop is not None and job.waiter is not None:
+            by_loop.setdefault(job.loop, []).append((job.waiter, value, error))
+    for loop, outcomes in by_loop.items():
+        if _running_loop() is loop:  # committed on the loop's own thread
+            _land(outcomes)
+            continue
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(_land, outcomes)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+STOP = object()
+
+
+class Worker(threading.Thread):
+    """One thread, one connection, one queue. A writer commits the write jobs waiting together.
+
+    A writer with nothing queued or in hand may instead have a write committed by its caller on the
+    caller's thread (`commit_here`): a lone turn then costs no hand-over to this thread and back."""
+
+    def __init__(self, name: str, connect: Callable[[], sqlite3.Connection]) -> None:
+        super().__init__(name=name, daemon=True)
+        self.jobs: queue.SimpleQueue[Job | object] = queue.SimpleQueue()
+        self.ready: Future[None] = Future()
+        self.batches = 0
+        self.committed = 0
+        self.pending = 0  # jobs queued and not yet settled (under `counting`)
+        self.counting = threading.Lock()
+        self.using_db = threading.Lock()  # held while a thread works on the connection
+        self.db: sqlite3.Connection | None = None
+        self._connect = connect
+
+    def queue(self, job: Job) -> None:
+        with self.counting:
+            self.pending += 1
+        self.jobs.put(job)
+
+    def commit_here(self, job: Job) -> bool:
+        """Commit `job` on this (the caller's) thread if the worker is idle and SQLite's write lock is
+        free at once; False (nothing done) otherwise, and the job is to be queued."""
+        with self.counting:
+            if self.pending or self.db is None or not self.using_db.acquire(blocking=False):
+                return False
+        db = self.db
+        try:
+            db.execute("PRAGMA busy_timeout = 0")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError:  # another connection writes: this thread does not wait for it
+                return False
+            finally:
+                db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._commit(db, [job], begun=True)
+            return True
+        finally:
+            self.using_db.release()
+
+    def run(self) -> None:
+        try:
+            db = self._connect()
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            return
+        self.db = db
+        self.ready.set_result(None)
+        try:
+            self._serve(db)
+        finally:
+            with self.using_db:
+                self.db = None
+                db.close()
+
+    def _serve(self, db: sqlite3.Connection) -> None:
+        held: Job | None = None
+        while True:
+            job = held or self.jobs.get()
+            held = None
+            if job is STOP:
+                return
+            assert isinstance(job, Job)
+            if not job.write:
+                with self.using_db:
+                    _settle(job, db)
+                self._done(1)
+                continue
+            batch = [job]
+            while len(batch) < MAX_BATCH:
+                try:
+                    following = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if following is STOP or not (isinstance(following, Job) and following.write):
+                    held = following  # type: ignore[assignment]
+                    break
+                batch.append(following)
+            with self.using_db:
+                self._commit(db, batch)
+            self._done(len(batch))
+
+    def _done(self, jobs: int) -> None:
+        with self.counting:
+            self.pending -= jobs
+
+    def _commit(self, db: sqlite3.Connection, batch: list[Job], *, begun: bool = False) -> None:
+        """Commit a batch in one transaction. If anything in it fails, nothing of it is kept and
+        each job is tried again in a transaction of its own, so a failing job fails alone."""
+        try:
+            if not begun:
+                db.execute("BEGIN IMMEDIATE")
+            values = [job.apply(db) for job in batch]
+            db.execute("COMMIT")
+        except Exception as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            if len(batch) > 1:
+                for job in batch:
+                    self._commit(db, [job])
+                return
+            self.batches += 1
+            settle_all([(batch[0], None, _failure(batch[0], exc))])
+            return
+        self.batches += 1
+        self.committed += len(batch)
+        settle_all([(job, value, None) for job, value in zip(batch, values, strict=True)])
+
+
+def _failure(job: Job, exc: BaseException) -> StoreFailure:
+    failure = exc if isinstance(exc, StoreFailure) else StoreFailure(f"the store could not {job.what}: {exc}")
+    if job.write:
+        log.error("%s", failure.message)  # seen even when no one awaits the write
+    return failure
+
+
+def _settle(job: Job, db: sqlite3.Connection) -> None:
+    """Run a read alone and hand its result over."""
+    try:
+        value = job.apply(db)
+    except Exception as exc:
+        settle_all([(job, None, _failure(job, exc))])
+    else:
+        settle_all([(job, value, None)])

@@ -1,0 +1,56 @@
+"""Bounded staleness on the live gateway: a session that began more than K versions ago is refused
+(409 session_stale) and marked stale in its export; admission control refuses a new group with 429
+while admitting it would exceed (K + version + 1) x B groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tokentape.core.staleness import Staleness
+from tokentape.gateway.service import Gateway
+
+BODY = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+async def test_a_session_older_than_max_staleness_gets_no_new_turns(
+    fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
+) -> None:
+    fresh.set_staleness(Staleness(max_staleness=1))
+    assert (await admin.post("/sessions/old/v1/chat/completions", json=BODY)).status_code == 200  # version 0
+    await admin.post("/sessions", json={"session_id": "strict", "metadata": {"max_staleness": 0}})
+    assert (await admin.post("/sessions/strict/v1/chat/completions", json=BODY)).status_code == 200
+    await fresh.update_weights(1, lora=str(adapters[0]))
+    # K = 1: one version behind is fine; the session with its own K = 0 is not
+    assert (await admin.post("/sessions/old/v1/chat/completions", json=BODY)).status_code == 200
+    refused = await admin.post("/sessions/strict/v1/chat/completions", json=BODY)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_stale"
+    await fresh.update_weights(2, lora=str(adapters[1]))
+    refused = await admin.post("/sessions/old/v1/chat/completions", json=BODY)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_stale"
+    assert "began under version 0" in refused.json()["error"]["message"]
+    exported = (await admin.get("/sessions/old/export")).json()
+    assert sum(len(b["action_ranges"]) for b in exported["branches"]) == 2  # its turns are all there
+    assert [b["versions"][b["action_ranges"][0][0]] for b in exported["branches"]] == [0, 1]
+    summary = (await admin.get("/sessions/old")).json()
+    assert summary["metadata"]["stale"] is True
+    # a new session starts fine at the current version
+    assert (await admin.post("/sessions/new/v1/chat/completions", json=BODY)).status_code == 200
+
+
+async def test_admission_refuses_a_new_group_past_the_limit(
+    fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
+) -> None:
+    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=2))  # (0 + v + 1) x 2 groups
+    for group in ("a", "b"):
+        await admin.post("/sessions", json={"session_id": f"{group}1", "group_id": group})
+        assert (await admin.post(f"/sessions/{group}1/v1/chat/completions", json=BODY)).status_code == 200
+    await admin.post("/sessions", json={"session_id": "a2", "group_id": "a"})  # a known group: admitted
+    assert (await admin.post("/sessions/a2/v1/chat/completions", json=BODY)).status_code == 200
+    await admin.post("/sessions", json={"session_id": "c1", "group_id": "c"})
+    refused = await admin.post("/sessions/c1/v1/chat/completions", json=BODY)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "admission_closed"
+    assert refused.headers["retry-after"]
+    await fresh.update_weights(1, lora=str(adapters[0]))
+    assert (await admin.post("/sessions/c1/v1/chat/completions", json=BODY)).status_code == 200
