@@ -17,6 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.auth import walk  # noqa: E402
 from tests.reliability import engine_faults, storm, suite  # noqa: E402
 from tests.support.fake_engines import FakeState, serving, vllm_app  # noqa: E402
 
@@ -36,6 +37,43 @@ def schemathesis_run(examples: int) -> dict[str, Any]:
     return {"cases": figures["cases"], "responses_5xx": figures["server_errors"]}
 
 
+async def key_walk() -> dict[str, Any]:
+    """Every route with no key, a wrong key, the agent's session key, another session's key and a
+    trainer key (tests/auth/walk.py), in-process on the embedded model."""
+    import httpx
+
+    from tokentape.runtime import RuntimeSettings, build_gateway
+    from tokentape.server.app import create_app
+    from tokentape.server.middleware import GuardSettings
+
+    gateway, name = build_gateway(RuntimeSettings(context_length=1024))
+    app = create_app(gateway, model_id=name, guard=GuardSettings(api_keys=[walk.TRAINER]))
+    trainer = {"authorization": f"Bearer {walk.TRAINER}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        keys = {}
+        for session in ("ep-a", "ep-b", "ep-t"):
+            keys[session] = (await http.post("/sessions", json={"session_id": session}, headers=trainer)).json()[
+                "api_key"
+            ]
+        kinds = {
+            "none": {},
+            "wrong": {"authorization": "Bearer tts.ep-a." + "x" * 43},
+            "own": {"authorization": f"Bearer {keys['ep-a']}"},
+            "other": {"x-api-key": keys["ep-b"]},
+            "trainer": trainer,
+        }
+        result = await walk.walk(app, http, kinds, lambda kind: "ep-t" if kind == "trainer" else "ep-a")
+    await gateway.aclose()
+    return {
+        "routes": len({(m, p) for (_, m, p) in result.answers}),
+        "calls": len(result.answers),
+        "reached": {kind: len(result.reached(kind)) for kind in kinds},
+        "refusals": result.refusals,
+        "problems": result.problems,
+        "seconds": round(result.seconds, 2),
+    }
+
+
 async def main(args: argparse.Namespace) -> None:
     rows: list[tuple[str, str, str]] = []
 
@@ -46,6 +84,16 @@ async def main(args: argparse.Namespace) -> None:
     started = time.monotonic()
     figures = schemathesis_run(args.fuzz_examples)
     report("schemathesis", figures, f"{figures['cases']} cases, {figures['responses_5xx']} responses 5xx")
+    figures = await key_walk()
+    reached = figures["reached"]
+    report(
+        "routes by key",
+        figures,
+        f"{figures['routes']} routes: a session key reached {reached['own']} (its generation routes), another "
+        f"session's {reached['other']}, a trainer key {reached['trainer']}, no/wrong key {reached['none']}/"
+        f"{reached['wrong']}; {figures['refusals']} refusals, {len(figures['problems'])} problems "
+        "(a wrong status, error shape, or store change)",
+    )
     with tempfile.TemporaryDirectory() as scratch, running_server(["--context-length", "4096"]) as server:
         figures = await suite.malformed(server)
         report(

@@ -62,9 +62,21 @@ def serve(
     api_key: Annotated[
         list[str] | None,
         typer.Option(
-            help="Require this API key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated). "
-            "Every route but /health then needs one."
+            help="A trainer key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated): allowed "
+            "every route. Every route but /health then needs a key. Agents get their own session's key "
+            "from POST /sessions (api_key), which reaches only that session's generation routes."
         ),
+    ] = None,
+    session_keys: Annotated[
+        str,
+        typer.Option(
+            help="optional: generation may go without a session key (as trainer keys and open mode allow); "
+            "required: every generation request needs a session key."
+        ),
+    ] = "optional",
+    max_in_flight_per_key: Annotated[
+        int | None,
+        typer.Option(min=1, help="Requests one session key may have running at once (429 with Retry-After past it)."),
     ] = None,
     max_active: Annotated[
         int,
@@ -133,7 +145,14 @@ def serve(
         match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
-    guard = GuardSettings(api_keys=keys, max_body_bytes=max_body_bytes)
+    if session_keys not in ("optional", "required"):
+        raise typer.BadParameter("optional or required", param_hint="--session-keys")
+    guard = GuardSettings(
+        api_keys=keys,
+        max_body_bytes=max_body_bytes,
+        require_session_keys=session_keys == "required",
+        max_in_flight_per_key=max_in_flight_per_key,
+    )
     if ray is not None:
         from tokentape.ray.cluster import ClusterSettings, serve_cluster
 
@@ -145,6 +164,7 @@ def serve(
             runtime=settings,
             model_id=served_model_name,
             trajectory_queue=trajectory_queue,
+            guard=guard,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
@@ -265,6 +285,14 @@ def rollout(
     url: Annotated[
         str | None, typer.Option(help="A running gateway (tokentape serve). Default: one in this process.")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENTAPE_API_KEY",
+            help="A trainer key of the gateway at --url, for creating, rewarding and exporting sessions; "
+            "each agent gets only its own session's key.",
+        ),
+    ] = None,
     format: Annotated[str, typer.Option(help="Dataset format: tokentape, openrlhf, atropos, verifiers, stepwise.")] = (
         "tokentape"
     ),
@@ -286,7 +314,7 @@ def rollout(
     console = Console()
 
     async def go() -> tuple[RolloutStats, int]:
-        gateway = await GatewayClient.connect(url) if url else InProcessGateway()
+        gateway = await GatewayClient.connect(url, api_key=api_key) if url else InProcessGateway()
         columns = (
             TextColumn("[bold]{task.description}"),
             BarColumn(),

@@ -3,7 +3,8 @@ app in the same process (no port, no server). Responses and errors are byte for 
 token fields included (`prompt_token_ids`, `choices[i].token_ids`, `logprobs.content[j].token_id`).
 
     gateway = InProcessGateway()                      # the embedded model
-    client = gateway.client(session_id="episode-1")   # an openai.AsyncOpenAI bound to one session
+    await gateway.create_session("episode-1")         # the session, and its own key for the agent
+    client = gateway.client(session_id="episode-1")   # an openai.AsyncOpenAI bound to that session and key
     reply = await client.chat.completions.create(model=gateway.model, messages=[...])
     await gateway.finish("episode-1", reward=1.0)
     sample = await gateway.export("episode-1", format="verifiers")
@@ -19,6 +20,7 @@ import openai
 from tokentape.gateway.service import Gateway
 from tokentape.runtime import RuntimeSettings, build_gateway
 from tokentape.server.app import create_app
+from tokentape.server.middleware import GuardSettings
 
 __all__ = ["GatewayClient", "InProcessGateway", "BASE"]
 
@@ -26,27 +28,54 @@ BASE = "http://tokentape.local"
 
 
 class GatewayClient:
-    """OpenAI clients and session helpers for one gateway, over one HTTP client."""
+    """OpenAI clients and session helpers for one gateway, over one HTTP client.
 
-    def __init__(self, http: httpx2.AsyncClient, model: str) -> None:
+    `api_key` is a trainer key: this object's own calls (create, reward, finish, export) carry it.
+    An agent's client (`client(session_id)`) carries its session's own key, from `create_session`,
+    never the trainer key: whatever the agent runs can reach its session's generation routes alone."""
+
+    def __init__(self, http: httpx2.AsyncClient, model: str, api_key: str | None = None) -> None:
         self.http = http
         self.model = model
         self.base = str(http.base_url).rstrip("/")
+        # sent per call, never as a default header of `http`, which the agents' clients share
+        self._trainer = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._trainer_key = api_key
+        self._session_keys: dict[str, str] = {}  # session id -> its key, from create_session
 
     @classmethod
-    async def connect(cls, url: str) -> GatewayClient:
-        """A gateway running elsewhere (`tokentape serve`)."""
+    async def connect(cls, url: str, api_key: str | None = None) -> GatewayClient:
+        """A gateway running elsewhere (`tokentape serve`); `api_key`: one of its trainer keys."""
         http = httpx2.AsyncClient(base_url=url, timeout=None)
-        models = (await http.get("/v1/models")).json()
-        return cls(http, models["data"][0]["id"])
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        response = await http.get("/v1/models", headers=headers)
+        if response.status_code >= 400:
+            await http.aclose()
+            error = response.json().get("error", {})
+            raise openai.APIStatusError(error.get("message", "error"), response=response, body=error)
+        return cls(http, response.json()["data"][0]["id"], api_key)
+
+    def session_key(self, session_id: str) -> str | None:
+        """The key `create_session` received for this session (what its agent should hold)."""
+        return self._session_keys.get(session_id)
 
     def client(self, session_id: str | None = None, **options: Any) -> openai.AsyncOpenAI:
-        """An `openai.AsyncOpenAI` for one session (or, without an id, one new session per call)."""
+        """An `openai.AsyncOpenAI` for one session, holding that session's own key: what to hand an
+        agent. A session this client did not create has no key here: on a gateway with trainer keys
+        that is an error rather than handing the agent the trainer key. Without an id: one new session
+        per call, the trainer's own calls, with the trainer key (never an agent's client)."""
         base_url = f"{self.base}/sessions/{session_id}/v1" if session_id else f"{self.base}/v1"
+        key = self._session_keys.get(session_id) if session_id else self._trainer_key
+        if key is None and self._trainer:
+            raise ValueError(
+                f"no key for session {session_id!r}: create it with create_session() so its agent gets its own key"
+            )
         options.setdefault("max_retries", 0)
-        return openai.AsyncOpenAI(base_url=base_url, api_key="in-process", http_client=self.http, **options)
+        return openai.AsyncOpenAI(base_url=base_url, api_key=key or "in-process", http_client=self.http, **options)
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        if self._trainer:
+            kwargs["headers"] = {**self._trainer, **kwargs.get("headers", {})}
         response = await self.http.request(method, path, **kwargs)
         if response.status_code >= 400:
             error = response.json().get("error", {})
@@ -56,8 +85,11 @@ class GatewayClient:
         return response.content
 
     async def create_session(self, session_id: str, **fields: Any) -> dict[str, Any]:
-        """Fields: group_id, metadata, reward, rewrite_policy."""
+        """Fields: group_id, metadata, reward, rewrite_policy. The answer carries the session's own
+        key (`api_key`) and `base_url`; `client(session_id)` hands them to the agent."""
         result: dict[str, Any] = await self._call("POST", "/sessions", json={"session_id": session_id, **fields})
+        if isinstance(key := result.get("api_key"), str):
+            self._session_keys[session_id] = key
         return result
 
     async def reward(self, session_id: str, **rewards: Any) -> dict[str, Any]:
@@ -71,7 +103,11 @@ class GatewayClient:
             await self.reward(session_id, **rewards)
         body = {"metadata": metadata} if metadata else {}
         result: dict[str, Any] = await self._call("POST", f"/sessions/{session_id}/finish", json=body)
+        self._session_keys.pop(session_id, None)  # its key stops working
         return result
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return str((await self._call("POST", "/detokenize", json={"tokens": tokens}))["prompt"])
 
     async def export(self, session_id: str, format: str | None = None) -> Any:
         params = {"format": format} if format else {}
@@ -109,18 +145,22 @@ class InProcessGateway(GatewayClient):
         gateway: Gateway | None = None,
         model: str | None = None,
         match_prefix: bool | None = None,
+        guard: GuardSettings | None = None,
     ) -> None:
         """`match_prefix`: calls that name no session continue the one live session their history
-        extends (as `tokentape serve --match-prefix`); None keeps the setting of `settings`/`gateway`."""
+        extends (as `tokentape serve --match-prefix`); None keeps the setting of `settings`/`gateway`.
+        `guard`: keys and limits as `tokentape serve` takes them; with trainer keys, `api_key` is the
+        first of them (this object's own calls)."""
         self._owns_gateway = gateway is None
         if gateway is None:
             gateway, model = build_gateway(settings or RuntimeSettings())
         if match_prefix is not None:
             gateway.sessions.match_prefix = match_prefix
         self.gateway = gateway
-        self.app = create_app(gateway, model_id=model or gateway.engine.model_id)
+        self.app = create_app(gateway, model_id=model or gateway.engine.model_id, guard=guard)
         http = httpx2.AsyncClient(transport=_StartingTransport(self.app, gateway), base_url=BASE, timeout=None)
-        super().__init__(http, model or gateway.engine.model_id)
+        trainer = guard.trainer_key if guard is not None else None
+        super().__init__(http, model or gateway.engine.model_id, trainer)
 
     async def aclose(self) -> None:
         await super().aclose()

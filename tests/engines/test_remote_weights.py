@@ -187,8 +187,7 @@ async def test_vllm_calls_in_order(vllm: tuple[VLLMEngine, Stand], source: Weigh
             ("POST", "/v1/load_lora_adapter", {"lora_name": LORA_NAME, "lora_path": LORA.path, "load_inplace": True})
         ],
         "model": [
-            ("POST", "/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": MODEL.path}}]}),
-            ("POST", "/collective_rpc", {"method": "reload_weights"}),
+            ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": MODEL.path}}),
         ],
         "engine_managed": [],
     }[source.kind]

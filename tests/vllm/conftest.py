@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,14 +120,33 @@ def vllm_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
     if VLLM_URL:
         yield VLLMServer(VLLM_URL.rstrip("/"), vllm_model_dir, 0.0)
         return
+    with _launched(vllm_model_dir, "vllm-serve.log") as server:
+        FIGURES["vLLM start (s, --enforce-eager)"] = round(server.start_seconds, 1)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
+    """A second vLLM that takes new weights at run time: LoRA adapters (rank up to 8) loaded in place,
+    and the dev-mode routes (pause, resume, prefix-cache reset, collective RPC)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    with _launched(vllm_model_dir, "vllm-lora-serve.log", ["--enable-lora", "--max-lora-rank", "8"], env) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _launched(
+    model_dir: Path, log_name: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Iterator[VLLMServer]:
+    assert VLLM_PYTHON
     port = free_port()
     OUTPUT.mkdir(exist_ok=True)
-    log_path = OUTPUT / "vllm-serve.log"
+    log_path = OUTPUT / log_name
     command = [
         VLLM_PYTHON,
         str(HERE / "launch_vllm.py"),
         "serve",
-        str(vllm_model_dir),
+        str(model_dir),
         "--served-model-name",
         MODEL,
         "--host",
@@ -142,19 +161,18 @@ def vllm_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
         str(CONTEXT),
         "--kv-cache-memory-bytes",
         str(KV_CACHE_BYTES),
+        *extra,
     ]
     started = time.monotonic()
     with log_path.open("wb") as log:
         # its own process group: vLLM starts an engine-core process that must go with it
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=_vllm_env(), start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env={**_vllm_env(), **(env or {})}, start_new_session=True
         )
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(process, url, log_path)
-            server = VLLMServer(url, vllm_model_dir, time.monotonic() - started)
-            FIGURES["vLLM start (s, --enforce-eager)"] = round(server.start_seconds, 1)
-            yield server
+            yield VLLMServer(url, model_dir, time.monotonic() - started)
         finally:
             _stop_group(process)
 

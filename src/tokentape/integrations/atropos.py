@@ -95,6 +95,7 @@ class ManagedSession:
         if not self._created:
             fields = {"group_id": self._group_id} if self._group_id else {}
             await self.gateway.create_session(self.session_id, **fields)
+            self._client = self.gateway.client(self.session_id)  # with the new session's own key
             self._created = True
 
     async def chat_completion(self, **kwargs: Any) -> ChatCompletion:
@@ -118,7 +119,6 @@ class ManagedSession:
     def reset(self) -> None:
         """Forget the tracked nodes: later calls go to a new session (the old one stays recorded)."""
         self.session_id = f"atropos-{uuid.uuid4().hex}"
-        self._client = self.gateway.client(self.session_id)
         self._nodes = []
         self._created = False
 
@@ -143,8 +143,7 @@ class ManagedSession:
     async def _text(self, tokens: list[int]) -> str:
         if self.tokenizer is not None:
             return str(self.tokenizer.decode(tokens))
-        response = await self.gateway.http.post("/detokenize", json={"tokens": tokens})
-        return str(response.json()["prompt"])
+        return await self.gateway.detokenize(tokens)
 
 
 class TokentapeServerManager:

@@ -22,6 +22,7 @@ from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
+from tokentape.server.middleware import GuardSettings
 
 __all__ = [
     "NAMESPACE",
@@ -155,6 +156,7 @@ class GatewaySpec:
     model_id: str | None = None
     trajectory_queue: str | None = None  # hand finished sessions to this queue
     engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
+    guard: GuardSettings | None = None  # keys and limits
 
 
 class GatewayActor:
@@ -178,7 +180,14 @@ class GatewayActor:
         router = SharedRouter(engines, ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE))
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
         self.gateway = gateway
-        self.app = create_app(gateway, model_id=spec.model_id or name, owns_gateway=True, serving_process=True)
+        self.app = create_app(
+            gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
+        )
+        trainer = spec.guard.trainer_key if spec.guard is not None else None
+        # this gateway's own calls to its app (hand-offs to the trajectory queue) are a trainer's
+        self._own: tuple[tuple[bytes, bytes], ...] = ()
+        if trainer:
+            self._own = ((b"authorization", f"Bearer {trainer}".encode()),)
         self.peers = RayPeers(spec.index)
         self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
         self.url = f"http://{spec.host}:{spec.port}"
@@ -223,7 +232,8 @@ class GatewayActor:
         }
 
     async def _export(self, session_id: str) -> dict[str, Any] | None:
-        start, body = await collect(self.routing.local(HttpRequest("GET", f"/sessions/{session_id}/export")))
+        request = HttpRequest("GET", f"/sessions/{session_id}/export", headers=self._own)
+        start, body = await collect(self.routing.local(request))
         if start.status != 200:
             return None
         import orjson
@@ -242,7 +252,8 @@ class GatewayActor:
         """After a restart: finished sessions of this shard the queue has not taken yet."""
         import orjson
 
-        start, body = await collect(self.routing.local(HttpRequest("GET", "/export", b"finished=true&output=jsonl")))
+        request = HttpRequest("GET", "/export", b"finished=true&output=jsonl", self._own)
+        start, body = await collect(self.routing.local(request))
         if start.status != 200:
             return
         queue = ray.get_actor(queue_name(self.spec.trajectory_queue or ""), namespace=NAMESPACE)

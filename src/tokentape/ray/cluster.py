@@ -32,6 +32,7 @@ from tokentape.ray.actors import (
 from tokentape.ray.engines import ENGINE_REGISTRY, EmbeddedEngineActor, EngineRegistryActor, engine_actor_name
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
+from tokentape.server.middleware import GuardSettings
 
 __all__ = [
     "ClusterSettings",
@@ -57,6 +58,7 @@ class ClusterSettings:
     trajectory_queue: str | None = None  # a queue name: finished sessions are handed to it
     queue_capacity: int = 1024
     engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
+    guard: GuardSettings | None = None  # keys and limits, the same on every gateway
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -161,6 +163,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             model_id=settings.model_id,
             trajectory_queue=settings.trajectory_queue,
             engine_actors=len(engine_actors),
+            guard=settings.guard,
         )
         gateways.append(
             GatewayActorClass.options(

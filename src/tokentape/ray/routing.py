@@ -22,6 +22,7 @@ import orjson
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
 from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_body, run_app
+from tokentape.server.auth import offered_key, session_of_key
 from tokentape.server.dialects.registry import PATHS
 from tokentape.store.scan import encode_cursor
 
@@ -151,6 +152,11 @@ class OwnerRouting:
             await parts.aclose()  # type: ignore[attr-defined]  # the owner's app sees the disconnect
 
     async def route(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+        keyed = session_of_key(offered_key(request.header(b"authorization"), request.header(b"x-api-key")))
+        if keyed is not None:  # a session key is checked, and allowed or refused, where its session lives
+            async for part in self._at(await self.peers.owner(keyed), request):
+                yield part
+            return
         if request.method == "GET" and request.path in ("/sessions", "/export"):
             async for part in self._gather(request):
                 yield part

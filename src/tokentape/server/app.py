@@ -28,6 +28,7 @@ from tokentape.server.dialects.registry import DIALECTS
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
+from tokentape.server.keys import SessionKeys
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokentape.server.serving import DialectContext, Serving
@@ -114,11 +115,13 @@ def create_app(
     renderer = gateway.renderer
     context = DialectContext(tokenizer, renderer.tool_format, renderer.reasoning, gateway.engine.context_length)
     generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
-    app.add_middleware(Guard, settings=guard or GuardSettings())
+    settings = guard or GuardSettings()
+    keys = SessionKeys(gateway.sessions, settings.max_in_flight_per_key)
+    app.add_middleware(Guard, settings=settings, keys=keys)
     app.lean = HotRoutes(
         {path: handler for path, (_, handler) in generation.items()},
         on_error=handle_error,
-        guard=Guard(None, guard or GuardSettings()),
+        guard=Guard(None, settings, keys),
     )
     # FastAPI keeps the same routes for its schema, and again under a session's base URL
     dialect_routes = APIRouter()
@@ -193,7 +196,7 @@ def create_app(
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
-    add_session_routes(app, gateway)
+    add_session_routes(app, gateway, keys)
     add_admin_routes(app, gateway)
     app.state.started = time.time()
     return app

@@ -51,7 +51,10 @@ class HotRoutes:
     async def serve(self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None) -> None:
         body = await self.guard.admit(scope, receive, send)
         if body is not None:
-            await self._answer(scope, replaying(body, receive), send, handler, session_id)
+            try:
+                await self._answer(scope, replaying(body, receive), send, handler, session_id)
+            finally:
+                self.guard.release(scope)
 
     async def _answer(
         self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None

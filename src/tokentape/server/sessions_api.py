@@ -1,4 +1,5 @@
-"""Session routes: list (paged), create (with group and metadata), inspect, reward, finish, export
+"""Session routes: list (paged), create (with group and metadata; it answers the session's own key
+for its agent, and its base URL), inspect, reward, finish, export
 one or many (in a trainer's format, as JSON, JSONL or Parquet, streamed from the store a page at a
 time), delete."""
 
@@ -20,6 +21,7 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_policy, check_session_id
 from tokentape.server.errors import json_response
+from tokentape.server.keys import SessionKeys
 from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
 from tokentape.store.export import MEDIA_TYPES, OUTPUTS, Output, dataset_pages, encode_dataset
 from tokentape.store.scan import SessionFilter, StoredSession, decode_cursor, encode_cursor
@@ -110,8 +112,9 @@ def _rows_response(trees: list[SessionTree], fmt_name: str, output: str) -> Resp
     return json_response({"object": "list", "format": fmt, "data": rows})
 
 
-def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
+def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None = None) -> None:
     sessions = gateway.sessions
+    keys = keys or SessionKeys(sessions)
 
     @app.get("/sessions")
     async def list_sessions(limit: str | None = None, cursor: str | None = None) -> Response:
@@ -163,8 +166,10 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         outcome.group_id, outcome.metadata = group_id, metadata
         if reward is not None:
             outcome.set_rewards(reward=reward, turn_ids=set(), branch_ids=set())
-        await sessions.persist(session)
-        return session.summary()
+        # the session's own key, for its agent: answered here once, stored only as a digest
+        api_key = await keys.issue(session.tree)
+        base_url = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"
+        return {**session.summary(), "api_key": api_key, "base_url": base_url}
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
@@ -206,6 +211,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
         newly = not session.tree.outcome.finished
         session.finish()
         await sessions.persist(session)
+        keys.revoke(session_id)
         if newly:
             gateway.metrics.session_finished()
         return session.summary()
@@ -256,4 +262,5 @@ def add_session_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:
         await sessions.delete(session_id)
+        keys.revoke(session_id)
         return {"id": session_id, "object": "session", "deleted": True, "at": time.time()}

@@ -166,12 +166,19 @@ SESSION_COLUMNS = (
     Column("created_at", "REAL NOT NULL"),  # the outcome's, kept in a column to list sessions in order
     Column("outcome", "TEXT NOT NULL"),  # JSON: group, metadata, rewards, finish time
     Column("deleted", "INTEGER NOT NULL DEFAULT 0"),  # a tombstone: no late write brings the session back
+    # the SHA-256 of the session's key (never the key): set once with it, which no row update touches
+    Column("key_hash", "BLOB"),
 )
-SESSIONS = Table("sessions", SESSION_COLUMNS, ("id",), fixed=("created_at", "deleted"))
+SESSIONS = Table("sessions", SESSION_COLUMNS, ("id",), fixed=("created_at", "deleted", "key_hash"))
 
 
 def session_row(tree: SessionTree) -> tuple[Any, ...]:
-    given = {"created_at": tree.outcome.created_at, "outcome": _outcome_json(tree.outcome), "deleted": 0}
+    given = {
+        "created_at": tree.outcome.created_at,
+        "outcome": _outcome_json(tree.outcome),
+        "deleted": 0,
+        "key_hash": None,
+    }
     return SESSIONS.row(tree, given)
 
 

@@ -79,6 +79,16 @@ def _write_turn(session: Row, turn: Row) -> Callable[[sqlite3.Connection], bool]
     return apply
 
 
+def _write_session_key(row: Row, digest: bytes) -> Callable[[sqlite3.Connection], bool]:
+    def apply(db: sqlite3.Connection) -> bool:
+        if not _upsert_session(db, row):
+            return False
+        db.execute("UPDATE sessions SET key_hash = ? WHERE id = ?", (digest, row[_ID]))
+        return True
+
+    return apply
+
+
 def _write_tombstone(session_id: str) -> Callable[[sqlite3.Connection], None]:
     def apply(db: sqlite3.Connection) -> None:
         db.execute("DELETE FROM turns WHERE session_id = ?", (session_id,))
@@ -161,6 +171,14 @@ def _keys(db: sqlite3.Connection, where: SessionFilter, after: SessionKey | None
         clauses.append(f"json_extract(outcome, '$.finished_at') IS {'NOT ' if where.finished else ''}NULL")
     sql = f"SELECT created_at, id FROM sessions WHERE {' AND '.join(clauses)} ORDER BY created_at, id LIMIT ?"
     return [(r[0], r[1]) for r in db.execute(sql, (*params, limit))]
+
+
+def _key_state(db: sqlite3.Connection, session_id: str) -> tuple[bytes, bool, bool] | None:
+    row = db.execute(
+        "SELECT key_hash, json_extract(outcome, '$.finished_at') IS NOT NULL, deleted FROM sessions WHERE id = ?",
+        (session_id,),
+    ).fetchone()
+    return None if row is None or row[0] is None else (bytes(row[0]), bool(row[1]), bool(row[2]))
 
 
 def _is_deleted(db: sqlite3.Connection, session_id: str) -> bool:
@@ -260,6 +278,12 @@ class SqliteStore:
         row = session_row(tree)
         return self._write(lambda db: _upsert_session(db, row), f"write session {tree.session_id!r}")
 
+    def save_session_key(self, tree: SessionTree, digest: bytes) -> Write[bool]:
+        """Queue a session's row with the digest of its key (never the key itself); False if the
+        session was deleted."""
+        job = _write_session_key(session_row(tree), digest)
+        return self._write(job, f"write the key of session {tree.session_id!r}")
+
     def delete(self, session_id: str) -> Write[None]:
         """Queue the removal of a session's turns; its tombstone refuses later writes."""
         return self._write(_write_tombstone(session_id), f"delete session {session_id!r}")
@@ -277,6 +301,11 @@ class SqliteStore:
     async def lookup(self, session_id: str) -> tuple[SessionTree | None, bool]:
         """`load` and `is_deleted` in one read: (the stored session or None, whether it was deleted)."""
         return await self._read(lambda db: _lookup(db, session_id), f"read session {session_id!r}")
+
+    async def key_state(self, session_id: str) -> tuple[bytes, bool, bool] | None:
+        """The stored digest of the session's key, whether the session is finished and whether it
+        was deleted; None if the session has no key (or no row)."""
+        return await self._read(lambda db: _key_state(db, session_id), f"read the key of session {session_id!r}")
 
     async def is_deleted(self, session_id: str) -> bool:
         return await self._read(lambda db: _is_deleted(db, session_id), f"read session {session_id!r}")

@@ -66,9 +66,9 @@ class VLLMEngine(UpdatableRemote):
 
     New weights: pause with `/pause` (`mode=keep` for keep, `abort` otherwise: the gateway has closed
     its generations already); a LoRA adapter through `/v1/load_lora_adapter` under `LORA_NAME`, in
-    place, after which every generation names it as its model; whole weights by pointing the workers'
-    model config at the new directory and reloading in place (`/collective_rpc`: `update_config`, then
-    `reload_weights`); `/reset_prefix_cache` unless the update keeps the old KV; `/resume`.
+    place, after which every generation names it as its model; whole weights reloaded in place from a
+    directory (`/collective_rpc` `reload_weights` with `weights_path`); `/reset_prefix_cache` unless
+    the update keeps the old KV; `/resume`.
     """
 
     kind = "vllm"
@@ -101,12 +101,9 @@ class VLLMEngine(UpdatableRemote):
             await self._step(f"load the LoRA adapter {source.path}", "/v1/load_lora_adapter", body=body)
             self.adapter = LORA_NAME
         elif source.kind == "model":
-            # the workers reload from their model config's path: point it at the new weights first
-            point = {"method": "update_config", "args": [{"model_config": {"model": source.path}}]}
-            await self._step(f"point its workers at {source.path}", "/collective_rpc", body=point)
-            await self._step(
-                f"reload its weights from {source.path}", "/collective_rpc", body={"method": "reload_weights"}
-            )
+            # reloaded in place from the new path (vLLM points its model config there itself)
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": source.path}}
+            await self._step(f"reload its weights from {source.path}", "/collective_rpc", body=reload)
             self.adapter = None  # new base weights; an adapter trained on the old ones is not applied
         self.weight_version = version
 
