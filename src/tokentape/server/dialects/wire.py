@@ -51,8 +51,11 @@ class TokenText:
         return f"token_id:{token_id}" if self.as_ids else self.decoded(token_id)
 
     def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = None if self.tokenizer is None else list(self.piece(token_id))
-        return {"token": self.text(token_id), "logprob": logprob, "bytes": raw, "token_id": token_id}
+        if self.tokenizer is None:
+            return {"token": f"token_id:{token_id}", "logprob": logprob, "bytes": None, "token_id": token_id}
+        piece = self.piece(token_id)  # read once: the bytes, and (decoded) the text
+        text = f"token_id:{token_id}" if self.as_ids else piece.decode("utf-8", "replace")
+        return {"token": text, "logprob": logprob, "bytes": list(piece), "token_id": token_id}
 
     def entries(self, tokens: Sequence[SampledToken], top: int, floor: float | None = None) -> list[dict[str, Any]]:
         """One logprob entry per sampled token with its `top` alternatives. `floor`: the lowest
