@@ -135,12 +135,25 @@ class Gateway:
         return engines
 
     async def add_engine(self, spec: str) -> None:
-        """Add a remote engine (`KIND=URL`) once it answers its health check."""
+        """Add a remote engine (`KIND=URL`) once it answers its health check. Only while the weights
+        are the ones every engine started with: a new engine would serve those under a later version."""
         pool = self._pool()
+        self._check_starting_weights()
         engine = make_engine(spec)
         await engine.discover()
         await engine.check_health()
+        self._check_starting_weights()  # an update may have begun while the engine was asked
         pool.add(engine)
+
+    def _check_starting_weights(self) -> None:
+        if self.updates.running or len(self.updates.history) > 1:
+            raise Conflict(
+                f"the pool's weights changed since it started (version {self.gate.version}): an engine added "
+                "now would serve its own starting weights under that version; start it with the current "
+                "weights and a new gateway, or add it before the first weight update",
+                param="add",
+                code="weights_changed",
+            )
 
     def drain_engine(self, url: str) -> None:
         """Place no new work on the engine at `url` (from now on); forget it once its requests finish."""
