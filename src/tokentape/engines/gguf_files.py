@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUFHeader", "TensorInfo", "read_header", "FLOAT_TYPES"]
+__all__ = ["FLOAT_TYPES", "GGUF_MAGIC", "GGUFHeader", "TensorInfo", "read_header", "read_string", "read_value"]
 
-_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"
+# GGUF value types: fixed-size scalars by struct format; 8 is a string, 9 an array
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 # ggml tensor types llama.cpp's CPU backend multiplies in a LoRA: F32, F16, BF16 (F64, 28, it cannot)
@@ -35,7 +36,7 @@ class GGUFHeader:
 def read_header(path: Path, keys: frozenset[str]) -> GGUFHeader:
     """The values of `keys` and every tensor's description; ValueError if `path` is no GGUF file."""
     with path.open("rb") as file:
-        if file.read(4) != _MAGIC:
+        if file.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             try:
@@ -51,14 +52,14 @@ def _parse(data: mmap.mmap, keys: frozenset[str]) -> GGUFHeader:
     offset = 24
     found: dict[str, Any] = {}
     for _ in range(count):
-        key, offset = _string(data, offset)
+        key, offset = read_string(data, offset)
         (kind,) = struct.unpack_from("<I", data, offset)
-        value, offset = _value(data, offset + 4, kind, keep=key in keys)
+        value, offset = read_value(data, offset + 4, kind, keep=key in keys)
         if key in keys:
             found[key] = value
     tensors: dict[str, TensorInfo] = {}
     for _ in range(n_tensors):
-        name, offset = _string(data, offset)
+        name, offset = read_string(data, offset)
         (dims,) = struct.unpack_from("<I", data, offset)
         shape = struct.unpack_from(f"<{dims}Q", data, offset + 4)
         offset += 4 + 8 * dims
@@ -68,18 +69,21 @@ def _parse(data: mmap.mmap, keys: frozenset[str]) -> GGUFHeader:
     return GGUFHeader(found, tensors)
 
 
-def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
+def read_string(data: mmap.mmap, offset: int) -> tuple[str, int]:
+    """The string at `offset` and the offset after it."""
     (size,) = struct.unpack_from("<Q", data, offset)
     start = offset + 8
     return data[start : start + size].decode("utf-8"), start + size
 
 
-def _value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[Any, int]:
+def read_value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[Any, int]:
+    """The value of type `kind` at `offset` (None unless `keep`: skipped as cheaply as it can be)
+    and the offset after it."""
     if kind in _SCALARS:
         fmt = _SCALARS[kind]
         return struct.unpack_from(fmt, data, offset)[0], offset + struct.calcsize(fmt)
     if kind == _STRING:
-        return _string(data, offset)
+        return read_string(data, offset)
     if kind != _ARRAY:
         raise ValueError(f"unknown GGUF value type {kind}")
     item, size = struct.unpack_from("<IQ", data, offset)
@@ -95,6 +99,6 @@ def _value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[Any,
         return None, offset
     out = []
     for _ in range(size):
-        value, offset = _value(data, offset, item, keep=keep)
+        value, offset = read_value(data, offset, item, keep=keep)
         out.append(value)
     return (out if keep else None), offset

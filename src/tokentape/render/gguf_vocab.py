@@ -22,19 +22,17 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from tokentape.engines.gguf_files import GGUF_MAGIC, read_string, read_value
+
 __all__ = ["read_metadata", "fast_tokenizer", "PROBES"]
 
-_MAGIC = b"GGUF"
-# GGUF value types: fixed-size scalars by struct format; 8 is a string, 9 an array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types; the last two are parsed in text
 
 
 def read_metadata(path: Path, keys: frozenset[str]) -> dict[str, Any]:
     """The values of `keys` in a GGUF file's header (versions 2 and 3), skipping every other value."""
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != _MAGIC:
+        if data[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
         version, _tensors, count = struct.unpack_from("<IQQ", data, 4)
         if version < 2:
@@ -42,43 +40,14 @@ def read_metadata(path: Path, keys: frozenset[str]) -> dict[str, Any]:
         offset = 24
         found: dict[str, Any] = {}
         for _ in range(count):
-            key, offset = _string(data, offset)
+            key, offset = read_string(data, offset)
             (kind,) = struct.unpack_from("<I", data, offset)
-            value, offset = _value(data, offset + 4, kind, keep=key in keys)
+            value, offset = read_value(data, offset + 4, kind, keep=key in keys)
             if key in keys:
                 found[key] = value
                 if len(found) == len(keys):
                     break
         return found
-
-
-def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
-    (size,) = struct.unpack_from("<Q", data, offset)
-    start = offset + 8
-    return data[start : start + size].decode("utf-8"), start + size
-
-
-def _value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[Any, int]:
-    if kind in _SCALARS:
-        fmt = _SCALARS[kind]
-        return struct.unpack_from(fmt, data, offset)[0], offset + struct.calcsize(fmt)
-    if kind == _STRING:
-        return _string(data, offset)
-    if kind != _ARRAY:
-        raise ValueError(f"unknown GGUF value type {kind}")
-    item, size = struct.unpack_from("<IQ", data, offset)
-    offset += 12
-    if item in _SCALARS:  # a numeric array in one read
-        fmt = _SCALARS[item]
-        width = struct.calcsize(fmt)
-        values = list(struct.unpack_from(f"<{size}{fmt[1]}", data, offset)) if keep else None
-        return values, offset + size * width
-    values = []
-    for _ in range(size):
-        value, offset = _value(data, offset, item, keep=keep)
-        if keep:
-            values.append(value)
-    return (values if keep else None), offset
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer | None:
