@@ -120,3 +120,15 @@ def test_constrained_and_stale_turns_are_left_out() -> None:
     assert sum(fresh.mask) == 4 and fresh.versions[3] == 4 and fresh.versions[0] is None
     with pytest.raises(ValueError, match="not raw"):
         samples_from_export(_export("m", "g", 1.0), logprob_mode="raw")
+
+
+def test_a_turn_that_crossed_a_weight_update_is_judged_token_by_token() -> None:
+    """A turn continued across an update holds tokens of two versions; its label is the first one's.
+    Staleness and the versions follow the export's per-token `versions`, not the turn's label."""
+    export = _export("x", "g", 1.0, version="3")  # turn 1 began under 3, turn 2 ran under 4
+    export["branches"][0]["policy_versions"] = ["3", "4"]
+    export["branches"][0]["versions"] = [-1, -1, -1, 3, 4, -1, -1, 4, 4]
+    (sample,) = samples_from_export(export, version=5, max_staleness=1)
+    assert sample.versions == [None, None, None, 3, 4, None, None, 4, 4]
+    assert sample.mask == [False, False, False, False, True, False, False, True, True]
+    assert sample.dropped == {"constrained": 0, "stale": 1}

@@ -14,9 +14,10 @@ numerics (or older weights) than the trainer computes. What enters the loss:
   trained on.
 - **constrained turns** (`constrained`: a grammar masked the engine's distribution, its logprobs are
   of that masked distribution, which the trainer cannot recompute) are left out of the loss.
-- **stale turns** (sampled under a policy version older than `max_staleness` versions behind the
-  trainer's) are left out; newer off-policy turns are kept, weighted by w against the logprobs the
-  engine recorded for them.
+- **stale tokens** (sampled under a policy version older than `max_staleness` versions behind the
+  trainer's: the export's per-token `versions`, since a turn continued across a weight update holds
+  several; the turn's label where a token's version is not known) are left out; newer off-policy
+  tokens are kept, weighted by w against the logprobs the engine recorded for them.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def samples_from_export(
         mask = [bool(m) for m in branch["loss_mask"]]
         versions: list[int | None] = [None] * len(tokens)
         dropped = {"constrained": 0, "stale": 0}
+        # per token (a turn continued across a weight update holds several versions; -1: not known)
+        per_token: list[int] = branch.get("versions") or [-1] * len(tokens)
         for (start, end), constrained, turn_version in zip(
             branch["action_ranges"], branch["constrained"], branch["policy_versions"], strict=True
         ):
-            number = _version_number(turn_version)
-            stale = version is not None and number is not None and version - number > max_staleness
+            label = _version_number(turn_version)
             for i in range(start, end):
+                number = per_token[i] if per_token[i] >= 0 else label
                 versions[i] = number
+                stale = version is not None and number is not None and version - number > max_staleness
                 if mask[i] and (constrained or stale):
                     mask[i] = False
                     dropped["constrained" if constrained else "stale"] += 1
