@@ -186,6 +186,10 @@ class GatewayActor:
         gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
         if not spec.runtime.engines:  # engine actors: the registry updates them for the whole cluster
             gateway.updates = ClusterUpdates(gateway, registry, spec.engine_actors)  # type: ignore[assignment]
+            # a gateway (re)started after an update: the engine actors hold the cluster's version
+            version = int((await registry.describe.remote())["weights_version"])
+            if version:
+                gateway.gate.version, gateway.gate.label = version, str(version)
         self.gateway = gateway
         self.app = create_app(
             gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
