@@ -1,7 +1,8 @@
 """Remote engines over HTTP, token IDs in and out: vLLM (`vllm`: `/v1/completions`; `vllm-generate`:
 its `/inference/v1/generate` token endpoint) and SGLang (`sglang`: `/generate`), one module per wire
 dialect (`vllm.py`, `sglang.py`) over one shared exchange (`client.py`: connection pools, the event
-stream, and the one place where what goes wrong becomes an error of tokentape's tree)."""
+stream, and the one place where what goes wrong becomes an error of tokentape's tree); `wire.py` holds
+the fields and checks both wire formats share, `updates.py` what both need to take new weights."""
 
 from __future__ import annotations
 
