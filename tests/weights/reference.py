@@ -32,22 +32,27 @@ def cold_greedy(
         verbose=False,
     )
     try:
-        rng = np.random.default_rng(0)
         llama.eval(list(prompt))
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        for _ in range(count):
-            pointer = llama_cpp.llama_get_logits_ith(llama.ctx, -1)
-            logits = np.ctypeslib.as_array(pointer, shape=(llama.n_vocab(),)).copy()
-            token, logprob, _ = sample_token(logits, GREEDY, rng)
-            tokens.append(token)
-            logprobs.append(logprob)
-            if token in stop:
-                break
-            llama.eval([token])
-        return tokens, logprobs
+        return _decode(llama, count, stop)
     finally:
         llama.close()
+
+
+def _decode(llama: llama_cpp.Llama, count: int, stop: frozenset[int] = frozenset()) -> tuple[list[int], list[float]]:
+    """`count` greedy tokens from the context's last logits on (fewer at a token in `stop`)."""
+    rng = np.random.default_rng(0)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(count):
+        pointer = llama_cpp.llama_get_logits_ith(llama.ctx, -1)
+        logits = np.ctypeslib.as_array(pointer, shape=(llama.n_vocab(),)).copy()
+        token, logprob, _ = sample_token(logits, GREEDY, rng)
+        tokens.append(token)
+        logprobs.append(logprob)
+        if token in stop:
+            break
+        llama.eval([token])
+    return tokens, logprobs
 
 
 def cold_greedy_kept(
@@ -70,17 +75,7 @@ def cold_greedy_kept(
         scales = (ctypes.c_float * 1)(1.0)
         assert llama_cpp.llama_set_adapters_lora(llama.ctx, adapters, 1, scales) == 0
         llama.eval([sampled[-1]])
-        rng = np.random.default_rng(0)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        for _ in range(count):
-            pointer = llama_cpp.llama_get_logits_ith(llama.ctx, -1)
-            logits = np.ctypeslib.as_array(pointer, shape=(llama.n_vocab(),)).copy()
-            token, logprob, _ = sample_token(logits, GREEDY, rng)
-            tokens.append(token)
-            logprobs.append(logprob)
-            llama.eval([token])
-        return tokens, logprobs
+        return _decode(llama, count)
     finally:
         llama_cpp.llama_set_adapters_lora(llama.ctx, None, 0, None)
         llama_cpp.llama_adapter_lora_free(adapter)
