@@ -65,3 +65,15 @@ async def test_no_engine_joins_while_an_update_runs(pool: tuple[httpx.AsyncClien
     added = await http.post("/admin/engines", json={"add": f"vllm={late_url}"})
     assert added.status_code == 409 and added.json()["error"]["code"] == "weights_changed"
     assert len(gateway.engines()) == 1
+
+
+async def test_no_engine_joins_once_a_trainer_set_the_version_by_hand(
+    pool: tuple[httpx.AsyncClient, Gateway, Stand, str],
+) -> None:
+    http, gateway, _, late_url = pool
+    assert (await http.post("/admin/pause", json={})).status_code == 200
+    # weights pushed by the trainer itself (e.g. over NCCL), then the version named on resume
+    assert (await http.post("/admin/resume", json={"policy_version": 4})).status_code == 200
+    added = await http.post("/admin/engines", json={"add": f"vllm={late_url}"})
+    assert added.status_code == 409 and added.json()["error"]["code"] == "weights_changed"
+    assert len(gateway.engines()) == 1

@@ -146,7 +146,7 @@ class Gateway:
         pool.add(engine)
 
     def _check_starting_weights(self) -> None:
-        if self.updates.running or len(self.updates.history) > 1:
+        if self.updates.running or self.gate.version != 0:  # 0: the weights every engine started with
             raise Conflict(
                 f"the pool's weights changed since it started (version {self.gate.version}): an engine added "
                 "now would serve its own starting weights under that version; start it with the current "
