@@ -467,6 +467,9 @@ def export(
         None
     ),
     since: Annotated[float | None, typer.Option(help="Only sessions created at or after this Unix time.")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="TOKENTAPE_API_KEY", help="A trainer key of the gateway, if it has keys.")
+    ] = None,
 ) -> None:
     """Export recorded sessions from a running gateway as a dataset file, streamed to disk as the
     gateway reads its store (the dataset is never held in memory)."""
@@ -489,7 +492,8 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # a failed export never leaves a truncated dataset
     query = {k: v for k, v in params.items() if v is not None}
-    with httpx.stream("GET", f"{url}/export", params=query, timeout=None) as response:
+    headers = _trainer_headers(api_key)
+    with httpx.stream("GET", f"{url}/export", params=query, headers=headers, timeout=None) as response:
         if response.status_code != 200:
             typer.echo(f"export failed: {response.read().decode(errors='replace')}", err=True)
             raise typer.Exit(code=1)
@@ -514,6 +518,9 @@ def view(
         Path | None, typer.Option(help="Write a static HTML snapshot to this file instead of serving.")
     ] = None,
     port: Annotated[int, typer.Option(help="Port to serve the viewer on.")] = 8050,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="TOKENTAPE_API_KEY", help="A trainer key of the gateway, if it has keys.")
+    ] = None,
 ) -> None:
     """Show recorded sessions token by token: origin and loss mask by colour, logprob as heat, turns,
     branches as a tree, rewrites marked; hover a token for its ID, text and logprob."""
@@ -521,11 +528,16 @@ def view(
 
     from tokentape.viewer import static_page
 
+    headers = _trainer_headers(api_key)
+
     def snapshot() -> str:
-        listed = httpx.get(f"{url}/sessions", timeout=60).json()["data"]
+        listing = httpx.get(f"{url}/sessions", headers=headers, timeout=60)
+        if listing.status_code != 200:
+            raise SystemExit(f"view failed: {listing.text}")
+        listed = listing.json()["data"]
         exports = {
             s["session_id"]: httpx.get(
-                f"{url}/sessions/{s['session_id']}/export", params={"texts": "true"}, timeout=60
+                f"{url}/sessions/{s['session_id']}/export", params={"texts": "true"}, headers=headers, timeout=60
             ).json()
             for s in listed
         }
@@ -547,6 +559,11 @@ def view(
 
     typer.echo(f"tokentape viewer: http://127.0.0.1:{port}/ (sessions of {url}; reload to refresh)", err=True)
     uvicorn.run(Starlette(routes=[Route("/", home)]), host="127.0.0.1", port=port, log_level="warning")
+
+
+def _trainer_headers(api_key: str | None) -> dict[str, str]:
+    """What a trainer's own call carries on a gateway with keys (none: open mode)."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def main() -> None:

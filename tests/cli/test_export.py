@@ -45,3 +45,28 @@ def test_export_refuses_an_unknown_file_kind(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["export", str(tmp_path / "batch.csv"), "--url", "http://127.0.0.1:9"])
     assert result.exit_code == 1 and "a dataset file ends in .jsonl or .parquet" in result.output
     assert not (tmp_path / "batch.csv").exists()
+
+
+def test_export_and_view_reach_a_gateway_with_trainer_keys(
+    tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
+) -> None:
+    from tokentape.server.middleware import GuardSettings
+
+    guard = GuardSettings(api_keys=["cli-trainer-key"])
+    trainer = {"authorization": "Bearer cli-trainer-key"}
+    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL_NAME, guard=guard)
+    with serving(app) as url:  # type: ignore[arg-type]
+        httpx.post(f"{url}/sessions", json={"session_id": "k1"}, headers=trainer).raise_for_status()
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "k1"}], "max_tokens": 2}
+        httpx.post(f"{url}/sessions/k1/v1/chat/completions", json=body, headers=trainer).raise_for_status()
+        out, page = tmp_path / "batch.jsonl", tmp_path / "page.html"
+        refused = CliRunner().invoke(cli, ["export", str(out), "--url", url])
+        exported = CliRunner().invoke(cli, ["export", str(out), "--url", url, "--api-key", "cli-trainer-key"])
+        viewed = CliRunner().invoke(
+            cli, ["view", "--url", url, "--out", str(page)], env={"TOKENTAPE_API_KEY": "cli-trainer-key"}
+        )
+    assert refused.exit_code == 1 and "invalid_api_key" in refused.output
+    assert exported.exit_code == 0, exported.output
+    assert f"{out}: 1 tokentape rows" in exported.output
+    assert viewed.exit_code == 0, viewed.output
+    assert '"k1"' in page.read_text(encoding="utf-8")
