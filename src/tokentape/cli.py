@@ -225,7 +225,9 @@ def status(
     connect(address)
     state = cluster_status()
     console = Console()
-    gateways = Table("gateway", "url", "node", "open sessions", "in memory", "requests active", "engine calls")
+    gateways = Table(
+        "gateway", "url", "node", "open sessions", "in memory", "requests active", "engine calls", "weights version"
+    )
     for g in state["gateways"]:
         gateways.add_row(
             str(g["index"]),
@@ -235,11 +237,16 @@ def status(
             str(g["sessions_in_memory"]),
             str(g["requests_active"]),
             str(g["engine_calls"]),
+            str(g["weights_version"]),
         )
     console.print(gateways)
-    engines = Table("engine", "in flight", "sessions")
+    engines = Table("engine", "in flight", "sessions", "weights version")
+    # the version each engine actor holds (the registry updates them); a remote engine's is its gateways'
+    versions = state["engines"].get("engine_versions", {})
     for name, flying in sorted(state["engines"]["in_flight"].items()):
-        engines.add_row(name, str(flying), str(state["engines"]["sessions"].get(name, 0)))
+        actor = name.removeprefix("ray://")
+        version = versions.get(actor, 0) if actor != name else "-"
+        engines.add_row(name, str(flying), str(state["engines"]["sessions"].get(name, 0)), str(version))
     console.print(engines)
     if state["queues"]:
         queues = Table("trajectory queue", "waiting", "capacity", "taken")

@@ -57,3 +57,16 @@ def test_a_restarted_gateway_starts_at_the_clusters_version(cluster: Any, tmp_pa
     branch = httpx.get(f"{url}/sessions/after-restart/export", timeout=30).json()["branches"][0]
     assert branch["param_version_start"] == branch["param_version_end"] == 3
     assert branch["policy_versions"] == ["3"]
+
+
+def test_status_shows_the_version_of_each_gateway_and_engine(cluster: Any) -> None:
+    from typer.testing import CliRunner
+
+    from tokentape.cli import app
+
+    shown = CliRunner().invoke(app, ["status"], env={"COLUMNS": "240"})
+    assert shown.exit_code == 0, shown.output
+    (gateway_row,) = [line for line in shown.output.splitlines() if cluster.describe()[0]["url"] in line]
+    assert "weights version" in shown.output and gateway_row.rstrip(" │|").split()[-1] == "3"
+    (engine_row,) = [line for line in shown.output.splitlines() if "tokentape-engine-0" in line]
+    assert engine_row.rstrip(" │|").split()[-1] == "3"
