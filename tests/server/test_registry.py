@@ -14,7 +14,8 @@ from tokentape.gateway.service import Gateway
 from tokentape.ray.asgi import HttpRequest
 from tokentape.ray.routing import session_of
 from tokentape.server.app import GatewayApp, create_app
-from tokentape.server.dialects.registry import DIALECTS, shape_for_path
+from tokentape.server.auth import GENERATION_ROUTES, Kind, decide, is_generation
+from tokentape.server.dialects.registry import DIALECTS, PATHS, shape_for_path
 from tokentape.server.errors import ANTHROPIC_ERRORS, OPENAI_ERRORS
 from tokentape.server.middleware import GuardSettings
 from tokentape.server.serving import Dialect
@@ -40,6 +41,12 @@ async def test_each_entry_makes_every_table(gateway: Gateway, dialect: type[Dial
         assert shape_for_path(path) is dialect.errors
     body = orjson.dumps({"session_id": "named-in-body"})
     assert session_of(HttpRequest("POST", dialect.path, body=body)) == "named-in-body"
+    # a session key may call it, at the root and under its own base URL, and it counts as generation
+    # (auth's list cannot import the registry, which imports the routes that import auth: kept equal here)
+    assert frozenset(PATHS) == GENERATION_ROUTES
+    assert decide(Kind.SESSION, dialect.path, key_session="s") is None
+    assert decide(Kind.SESSION, "/sessions/s" + dialect.path, key_session="s") is None
+    assert is_generation(dialect.path) and is_generation("/sessions/s" + dialect.path)
 
 
 def test_paths_outside_the_dialects_answer_in_openai_shape() -> None:
