@@ -78,3 +78,42 @@ def test_every_gateway_switches_version_together(weights_cluster: Any, tmp_path:
     assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
     assert [httpx.get(f"{u}/admin/status", timeout=30).json()["weights_version"] for u in urls] == [2, 2]
     assert ray.get(weights_cluster.engines[0].info.remote())["weights_version"] == 2
+
+
+def test_a_restarted_gateway_starts_at_the_clusters_version(weights_cluster: Any, tmp_path: Path) -> None:
+    """A gateway restarted after an update (kill -9: Ray starts it again) serves on engine actors that
+    hold the update's weights: it starts at the cluster's version, so what it records says so."""
+    import os
+    import signal
+    import time
+
+    assert weights_cluster.update_weights(3, lora=str(write_lora(tmp_path / "adapter.gguf", seed=7)))["version"] == 3
+    victim = weights_cluster.describe()[1]
+    assert victim["weights_version"] == 3
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while weights_cluster.describe()[1]["pid"] == victim["pid"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    restarted = weights_cluster.describe()[1]
+    assert restarted["pid"] != victim["pid"]
+    assert restarted["weights_version"] == 3  # the engine actor holds version 3's weights
+    url = restarted["url"]
+    assert httpx.post(f"{url}/sessions/after-restart/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    branch = httpx.get(f"{url}/sessions/after-restart/export", timeout=30).json()["branches"][0]
+    assert branch["param_version_start"] == branch["param_version_end"] == 3
+    assert branch["policy_versions"] == ["3"]
+
+
+def test_status_shows_the_version_of_each_gateway_and_engine(weights_cluster: Any) -> None:
+    from typer.testing import CliRunner
+
+    from tokentape.cli import app
+
+    shown = CliRunner().invoke(app, ["status"], env={"COLUMNS": "240"})
+    assert shown.exit_code == 0, shown.output
+    assert "weights version" in shown.output
+    for gateway in weights_cluster.describe():
+        (row,) = [line for line in shown.output.splitlines() if gateway["url"] in line]
+        assert row.rstrip(" │|").split()[-1] == "3"
+    (engine_row,) = [line for line in shown.output.splitlines() if "tokentape-engine-0" in line]
+    assert engine_row.rstrip(" │|").split()[-1] == "3"
