@@ -15,7 +15,9 @@ version when it is dispatched. An update that lets turns go on (continue, keep) 
 a token boundary (or at once while it waits for the engine's next token); once the new weights are
 in, the next segment generates on from the prompt plus every token sampled so far, with what is left
 of max_tokens, through the same stop-string filter and text assembly: one turn, one reply, no token
-lost or doubled. Each segment's tokens become one policy span. An update that aborts ends a streamed
+lost or doubled. Each segment's tokens become one policy span. A constrained generation that has
+sampled is the exception: the engine's grammar cannot start again mid-output, so it runs to its end
+under the version it began with, and the update waits for it. An update that aborts ends a streamed
 generation at its next token (finish reason abort); one waiting for its whole answer has shown
 nothing, so it goes on after the update instead, streamed from the engine this time, so that a
 second update cuts it at its next token like any other.
@@ -121,6 +123,8 @@ class ChoiceRun:
     def cut(self) -> None:
         """Stop the segment waiting for the engine's next token now (its task is cancelled; the
         cancellation is taken back, unless the task was also cancelled for another reason)."""
+        if not self._seamable():
+            return
         if self._task is not None and not self._cutting:
             self._cutting = True
             self._task.cancel()
@@ -257,10 +261,16 @@ class ChoiceRun:
         if self.gate.abort_epoch != pin.abort_epoch:  # paused with abort: the weights are changing
             self._interrupted_here = True
             return True
-        if self.gate.seam_epoch != pin.seam_epoch and self._room_left():
+        if self.gate.seam_epoch != pin.seam_epoch and self._room_left() and self._seamable():
             self._seamed = True  # the weights are changing: it goes on once they are in
             return True
         return False
+
+    def _seamable(self) -> bool:
+        """Whether the turn may stop at a seam and go on: not once a constrained one has sampled, since
+        the engine's grammar would start again at its root after those tokens; such a turn ends under
+        the version it began with (the update waits for it)."""
+        return self.constraint is None or not self.tokens
 
     def _room_left(self) -> bool:
         """Whether the turn would sample again (not at max_tokens nor at the end of the context)."""
