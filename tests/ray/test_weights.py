@@ -117,3 +117,22 @@ def test_status_shows_the_version_of_each_gateway_and_engine(weights_cluster: An
         assert row.rstrip(" │|").split()[-1] == "3"
     (engine_row,) = [line for line in shown.output.splitlines() if "tokentape-engine-0" in line]
     assert engine_row.rstrip(" │|").split()[-1] == "3"
+
+
+def test_a_gateway_held_by_a_cluster_update_is_not_resumed_by_hand(weights_cluster: Any) -> None:
+    """While the registry holds the gateways (an update loading, or one that failed), `/admin/resume`
+    on one gateway would serve on engine actors whose weights are changing: refused until released."""
+    from tokentape.ray.actors import NAMESPACE, gateway_name
+
+    url = weights_cluster.describe()[0]["url"]
+    gateway = ray.get_actor(gateway_name(0), namespace=NAMESPACE)
+    ray.get(gateway.hold_for_update.remote("continue"))  # what the registry does first
+    try:
+        resumed = httpx.post(f"{url}/admin/resume", json={}, timeout=30)
+        assert resumed.status_code == 409, resumed.text
+        assert resumed.json()["error"]["code"] == "update_in_progress"
+        assert httpx.get(f"{url}/admin/status", timeout=30).json()["paused"] is True
+    finally:
+        ray.get(gateway.finish_update.remote(None))  # what the registry does after a rollback
+    assert httpx.get(f"{url}/admin/status", timeout=30).json()["paused"] is False
+    assert httpx.post(f"{url}/admin/resume", json={}, timeout=30).status_code == 200

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from tokentape.engines.weights import InFlight
-from tokentape.errors import TokentapeError
+from tokentape.errors import Conflict, TokentapeError
 from tokentape.gateway.updates import WeightUpdate
 from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
@@ -232,6 +232,7 @@ class GatewayActor:
         boundary, or for good under abort) and wait until none is in an engine."""
         gate = self.gateway.gate
         gate.hold()
+        self._cluster_hold(True)  # until the registry releases it: resume is refused meanwhile
         if in_flight == "abort":
             gate.abort()
         else:
@@ -244,7 +245,13 @@ class GatewayActor:
         if version is not None:
             self.gateway.gate.version = version
             self.gateway.gate.label = str(version)
+        self._cluster_hold(False)
         self.gateway.gate.release()
+
+    def _cluster_hold(self, held: bool) -> None:
+        updates: Any = self.gateway.updates
+        if isinstance(updates, ClusterUpdates):
+            updates.held = held
 
     async def holds(self, session_id: str) -> bool:
         return await self.gateway.sessions.exists(session_id)
@@ -305,6 +312,7 @@ class ClusterUpdates:
         self.registry = registry
         self.engine_actors = engine_actors
         self.running = False
+        self.held = False  # held by the registry's update (or its failure) over the whole cluster
         self.last: dict[str, Any] | None = None
 
     async def _gateways(self) -> list[str]:
@@ -329,7 +337,14 @@ class ClusterUpdates:
         return report
 
     def check_resumable(self) -> None:
-        return None
+        """A gateway held by a cluster update is released by the registry alone: resuming it by hand
+        would serve on engine actors that are loading, or that a failed update left on other weights."""
+        if self.held:
+            raise Conflict(
+                "a weight update over the cluster holds this gateway: it resumes when the update is done, "
+                "or after a failed one with POST /admin/rollback",
+                code="update_in_progress",
+            )
 
     async def rollback(self) -> dict[str, Any]:
         await self.registry.resume_after_failure.remote(await self._gateways())
