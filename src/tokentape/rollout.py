@@ -27,7 +27,7 @@ import openai
 from tokentape.client import GatewayClient
 from tokentape.errors import InvalidRequest
 
-__all__ = ["Agent", "Episode", "RolloutStats", "context_overflow", "load_agent", "run_rollout"]
+__all__ = ["Agent", "Episode", "RolloutStats", "context_overflow", "load_agent", "rendered_prompt", "run_rollout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +64,54 @@ class RolloutStats:
         return sum(self.rewards) / len(self.rewards) if self.rewards else None
 
 
+OVERFLOW_CODE = "context_length_exceeded"
+ERROR_CODE_HEADER = "x-tokentape-error-code"  # every error response names its code here, in any dialect
+
+
+def _overflow_response(response: object) -> bool:
+    """Whether an HTTP response (httpx's or httpx2's: the SDKs differ) is the gateway's context
+    overflow: its code header (set in every dialect; the anthropic shape has no code field) or an
+    OpenAI-shaped body's `error.code`."""
+    if getattr(response, "status_code", None) != 400:
+        return False
+    headers = getattr(response, "headers", None)
+    if headers is not None and headers.get(ERROR_CODE_HEADER) == OVERFLOW_CODE:
+        return True
+    try:
+        body = response.json()  # type: ignore[attr-defined]
+    except Exception:  # an unread stream, not JSON: not the gateway's error body
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == OVERFLOW_CODE
+
+
 def context_overflow(exc: BaseException) -> bool:
     """Whether an exception (or one it was raised from) is the gateway's `context_length_exceeded`:
-    the episode's next request no longer fits the context."""
+    the episode's next request no longer fits the context. Recognised in the openai SDK's errors, the
+    anthropic SDK's and plain httpx's (`HTTPStatusError`), whichever the agent uses."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, openai.APIStatusError) and getattr(current, "code", None) == "context_length_exceeded":
+        if isinstance(current, openai.APIStatusError) and getattr(current, "code", None) == OVERFLOW_CODE:
+            return True
+        if _overflow_response(getattr(current, "response", None)):  # anthropic.APIStatusError, httpx
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+async def rendered_prompt(gateway: GatewayClient, prompt: object) -> list[int]:
+    """The prompt's tokens as the gateway renders them (`POST /tokenize`): chat messages with the
+    generation prompt, or text as it is. For an episode whose first request did not fit."""
+    body: dict[str, object] = {"model": gateway.model}
+    if isinstance(prompt, list):
+        body["messages"] = prompt
+    else:
+        body["prompt"] = str(prompt)
+    response = await gateway.http.post("/tokenize", json=body)
+    response.raise_for_status()
+    return [int(t) for t in response.json()["tokens"]]
 
 
 def load_agent(target: str, examples_dir: Path = Path("examples")) -> Agent:

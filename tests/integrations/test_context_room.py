@@ -3,12 +3,14 @@ get that room (finish `length`), as vLLM-backed trainers do; OpenAI's 400 stays 
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
 from tokentape.gateway.service import Gateway
+from tokentape.rollout import context_overflow
 
 FILLER = "one two three four five six seven eight nine ten " * 96  # about a thousand tokens
 
@@ -52,3 +54,22 @@ async def test_max_tokens_past_the_context_is_refused_by_default_and_clipped_on_
     finally:
         gateway.clip_max_tokens = False
         await local.aclose()
+
+
+async def test_the_overflow_is_recognised_in_every_dialect_and_other_errors_are_not(http: httpx.AsyncClient) -> None:
+    """The same overflow through the OpenAI and the Anthropic routes, as a plain HTTP error: both say
+    `context_length_exceeded` (a header; the Anthropic body has no code field); a bad value does not."""
+    big = [{"role": "user", "content": FILLER * 2}]
+    bodies = {
+        "/v1/chat/completions": {"model": MODEL_NAME, "messages": big, "max_tokens": 4},
+        "/v1/messages": {"model": MODEL_NAME, "messages": big, "max_tokens": 4},
+    }
+    for path, body in bodies.items():
+        response = await http.post(path, json=body)
+        with pytest.raises(httpx.HTTPStatusError) as raised:
+            response.raise_for_status()
+        assert response.status_code == 400 and context_overflow(raised.value), path
+    bad = await http.post("/v1/messages", json={"model": MODEL_NAME, "messages": big, "max_tokens": -1})
+    with pytest.raises(httpx.HTTPStatusError) as other:
+        bad.raise_for_status()
+    assert bad.status_code == 400 and not context_overflow(other.value)

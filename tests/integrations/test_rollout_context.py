@@ -4,6 +4,7 @@ ends there (`context_full`, rewarded as configured, its turns kept), beside a `d
 
 from __future__ import annotations
 
+import anthropic
 import openai
 
 from tests.conftest import MODEL_NAME
@@ -49,5 +50,27 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
         assert len(branch["tokens"]) == gateway.engine.context_length  # clipped to the room, then full
         assert branch["finish_reasons"][-1] == "length"
         assert exported["ctx-00000"]["reward"] == 1.0 and exported["ctx-00002"]["reward"] is None
+    finally:
+        await local.aclose()
+
+
+async def test_an_anthropic_sdk_agent_that_fills_the_context_ends_the_same_way(gateway: Gateway) -> None:
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+
+    async def claude_style(client: openai.AsyncOpenAI, episode: Episode) -> float:
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")  # .../sessions/<id>
+        sdk = anthropic.AsyncAnthropic(base_url=base, api_key=client.api_key, http_client=local.http, max_retries=0)
+        messages: list[dict[str, str]] = [{"role": "user", "content": FILLER}]
+        for _ in range(10):
+            reply = await sdk.messages.create(model=episode.model, max_tokens=200, messages=messages)  # type: ignore[arg-type]
+            text = "".join(getattr(block, "text", "") for block in reply.content)
+            messages += [{"role": "assistant", "content": text or "..."}, {"role": "user", "content": "Go on."}]
+        return 1.0
+
+    try:
+        stats = await run_rollout(claude_style, local, episodes=1, concurrency=1, group_size=1, run_id="claude")
+        assert (stats.done, stats.errors, stats.context_full) == (1, 0, 1)
+        (session,) = (await local.export_all(prefix="claude-"))["data"]
+        assert session["metadata"]["status"] == "context_full" and session["reward"] == 0.0
     finally:
         await local.aclose()

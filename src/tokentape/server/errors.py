@@ -108,12 +108,11 @@ def _shape_of(request: Request) -> ErrorShape:
 
 
 def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
-    headers = None
+    # the code in a header too: the anthropic shape has no field for it, and clients tell errors apart by it
+    headers = {"x-tokentape-error-code": exc.code} if exc.code else {}
     if exc.retry_after is not None:  # what the openai SDK honours before it retries
-        headers = {
-            "retry-after": str(max(1, round(exc.retry_after))),
-            "retry-after-ms": str(int(exc.retry_after * 1000)),
-        }
+        headers["retry-after"] = str(max(1, round(exc.retry_after)))
+        headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
     return json_response(shape.body(exc), exc.status, headers)
 
 
