@@ -88,3 +88,20 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
         assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 1
     finally:
         await local.aclose()
+
+
+async def test_an_episode_whose_first_request_does_not_fit_has_no_node_and_its_status(gateway: Gateway) -> None:
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    try:
+        async with TokentapeServerManager(local).managed_server() as managed:
+            messages = [{"role": "user", "content": FILLER * 2}]  # past the context alone
+            reply = await managed.chat_completion(messages=messages, n=2, max_tokens=8)
+            assert [(c.finish_reason, c.message.content) for c in reply.choices] == [("length", "")] * 2
+            assert managed.status == "context_full" and managed.get_state()["nodes"] == []
+            again = await managed.completion(prompt="Go on.", max_tokens=8)
+            assert [c.text for c in again.choices] == [""]  # the episode has ended
+            await managed.set_scores([])
+        summary = (await local.http.get(f"/sessions/{managed.session_id}")).json()
+        assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 0
+    finally:
+        await local.aclose()

@@ -188,3 +188,25 @@ async def test_each_call_runs_in_its_own_max_length_and_an_episode_that_fills_it
         _check_against_calls(result, llm.calls)
         summary = (await runner.gateway.http.get(f"/sessions/{result['session_id']}")).json()
         assert summary["metadata"]["status"] == "context_full"
+
+
+async def test_an_episode_whose_first_request_does_not_fit_returns_its_prompt_untrained(
+    tmp_path: Path, engine: LlamaCppEngine, tokenizer: GGUFTokenizer, hf_dir: Path, hf_tokenizer: NoTorchTokenizer
+) -> None:
+    """No turn was recorded, so there is no branch: the sample is the prompt alone, cut to
+    `max_length - 1` from the end as OpenRLHF's own executors cut an initial observation, with no
+    action, and the episode's status; never an exception out of `execute`."""
+    question, tiny = "What is the capital of France? Answer in one short sentence, please.", 8
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    executor = _executor(tmp_path, "feedback_agent")
+    llm = EmbeddedLLM(engine, tokenizer)
+    result = await executor.execute(question, "Paris", params, tiny, hf_tokenizer, llm)
+    assert llm.calls == []  # the engine was never asked
+    hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    expected = hf(question, add_special_tokens=False)["input_ids"][-(tiny - 1) :]
+    assert result["observation_tokens"] == expected
+    assert result["action_ranges"] == [] and result["rollout_log_probs"] == [0.0] * (tiny - 1)
+    assert result["truncated"] is True and result["reward"] == 0.0
+    assert result["extra_logs"]["tokentape_context_full"] == 1.0 and result["extra_logs"]["tokentape_turns"] == 0
+    summary = (await executor.gateway.http.get(f"/sessions/{result['session_id']}")).json()
+    assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 0

@@ -4,9 +4,12 @@ engine (POST /admin/weights) and the next episode records the new version."""
 
 from __future__ import annotations
 
+import logging
+import types
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -17,8 +20,10 @@ import peft  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
 
+from tests.conftest import MODEL_NAME  # noqa: E402
 from tokentape.client import InProcessGateway  # noqa: E402
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings  # noqa: E402
+from tokentape.gateway.service import Gateway  # noqa: E402
 from tokentape.integrations.trl import PushLora, _loop, rollout_func, tape_reward  # noqa: E402
 from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path  # noqa: E402
 from tokentape.train.weights import LORA_TARGETS, f32_gguf, load_model  # noqa: E402
@@ -92,3 +97,68 @@ def test_one_grpo_trainer_step_learns_from_the_tape(tmp_path: Path, hf_dir: Path
     (branch,) = _loop().run(gateway.export(after["tokentape_session_id"][0]))["branches"]
     assert branch["policy_versions"] == ["1", "1"]
     _loop().run(gateway.aclose())
+
+
+LONG = "one two three four five six seven eight nine ten " * 200  # past a 1024-token context alone
+
+
+def anthropic_agent(local: InProcessGateway) -> Any:
+    """An agent on the anthropic SDK (the in-process HTTP client into the same app), one short answer."""
+
+    async def solve(client: openai.AsyncOpenAI, prompt: list[dict[str, str]]) -> float:
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")  # .../sessions/<id>
+        sdk = anthropic.AsyncAnthropic(base_url=base, api_key=client.api_key, http_client=local.http, max_retries=0)
+        await sdk.messages.create(model=MODEL_NAME, max_tokens=6, messages=prompt)  # type: ignore[arg-type]
+        return 1.0
+
+    return solve
+
+
+def test_an_episode_whose_first_request_does_not_fit_is_a_row_that_trains_nothing(
+    gateway: Gateway, hf_dir: Path
+) -> None:
+    """The anthropic SDK's overflow is recognised; the row is the prompt as rendered and a one-token
+    completion under env_mask 0, beside an ordinary row, and its status says why."""
+    hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    trainer = types.SimpleNamespace(eos_token_ids=[hf.eos_token_id])
+    prompts = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": LONG}]]
+    try:
+        out = rollout_func(anthropic_agent(local), local)(prompts, trainer)
+        assert out["tokentape_status"] == ["done", "context_full"]
+        assert out["tokentape_reward"] == [1.0, 0.0]
+        rendered = hf.apply_chat_template(prompts[1], add_generation_prompt=True, tokenize=True)
+        assert out["prompt_ids"][1] == list(getattr(rendered, "input_ids", rendered))
+        assert len(out["prompt_ids"][1]) > gateway.engine.context_length
+        assert (out["completion_ids"][1], out["env_mask"][1], out["logprobs"][1]) == ([hf.eos_token_id], [0], [0.0])
+        assert 1 in out["env_mask"][0]  # the ordinary row trains on its sampled tokens
+        assert set(out) == {"prompt_ids", "completion_ids", "env_mask", "logprobs"} | {
+            "tokentape_reward",
+            "tokentape_session_id",
+            "tokentape_status",
+        }
+        summary = _loop().run(local.http.get(f"/sessions/{out['tokentape_session_id'][1]}")).json()
+        assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 0
+    finally:
+        _loop().run(local.aclose())
+
+
+def test_a_refused_weight_push_warns_and_training_goes_on_until_it_keeps_failing(
+    gateway: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import tokentape.train.weights as weights
+
+    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    monkeypatch.setattr(weights, "write_lora_gguf", lambda model, path: tmp_path / "never-written.gguf")
+    callback = PushLora(local, tmp_path / "adapters", max_failures=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokentape.integrations.trl"):
+            callback.on_step_end(None, types.SimpleNamespace(global_step=1), None, model=None)
+        assert callback.pushed == [] and [v for v, _ in callback.failures] == [1]
+        (record,) = caplog.records
+        assert "weights version 1 not pushed" in record.getMessage()
+        assert "never-written.gguf" in record.getMessage()  # the gateway's own words
+        with pytest.raises(RuntimeError, match="2 weight pushes failed in a row"):
+            callback.on_step_end(None, types.SimpleNamespace(global_step=2), None, model=None)
+    finally:
+        _loop().run(local.aclose())

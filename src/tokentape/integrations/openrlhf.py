@@ -48,7 +48,7 @@ from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry, check_policy
-from tokentape.rollout import context_overflow
+from tokentape.rollout import context_overflow, rendered_prompt
 from tokentape.runtime import hf_renderer
 
 __all__ = ["Agent", "VLLMEngine", "agent_executor", "executor_base"]
@@ -180,7 +180,11 @@ def agent_executor(
     request whose `max_tokens` passes the room left gets that room (finish `length`), and an episode
     whose next request no longer fits ends there: `execute` returns it marked `truncated`, rewarded
     `overflow_reward`, with `extra_logs["tokentape_context_full"] == 1.0` and the session's metadata
-    `status: context_full`.
+    `status: context_full`. When even the first request does not fit, the sample is the prompt alone
+    (as the gateway renders it, kept to `max_length - 1` tokens from the end, as OpenRLHF's own
+    executors cut an initial observation), with no action range, so nothing of it is trained on;
+    `extra_logs["tokentape_turns"] == 0`. Any other exception the agent raises propagates out of
+    `execute`, as an exception in OpenRLHF's own executors' steps does.
     """
     base = executor_base()
     policy = check_policy(rewrite_policy)
@@ -255,9 +259,10 @@ def agent_executor(
             await gateway.finish(session_id, metadata={"status": status}, **rewards)
             export = await gateway.export(session_id)
             branches = export["branches"]
-            if not branches:
-                raise RuntimeError(f"the agent made no model call that fits max_length in session {session_id}")
-            branch = max(branches, key=lambda b: max(b["turn_ids"]))  # the one holding the last turn
+            if not branches:  # the first request did not fit: the prompt alone, nothing to train on
+                branch = await _prompt_only(gateway, prompt, max_length)
+            else:
+                branch = max(branches, key=lambda b: max(b["turn_ids"]))  # the one holding the last turn
             logprobs = None
             if getattr(sampling_params, "logprobs", None) is not None:
                 logprobs = [0.0 if lp is None else lp for lp in branch["logprobs"]]
@@ -283,6 +288,19 @@ def agent_executor(
             }
 
     return AgentExecutor
+
+
+async def _prompt_only(gateway: InProcessGateway, prompt: Any, max_length: int) -> dict[str, Any]:
+    """A branch of the prompt's tokens alone (no action), kept to `max_length - 1` from the end, as
+    OpenRLHF's own executors cut an initial observation that leaves no room to generate."""
+    tokens = (await rendered_prompt(gateway, prompt))[-max(1, max_length - 1) :]
+    return {
+        "tokens": tokens,
+        "action_ranges": [],
+        "logprobs": [None] * len(tokens),
+        "turn_ids": [],
+        "finish_reasons": ["length"],
+    }
 
 
 def _outcome(outcome: Any) -> tuple[float | None, float | None, dict[str, Any]]:
