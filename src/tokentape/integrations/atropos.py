@@ -104,7 +104,10 @@ class ManagedSession:
     continues, at the end of one of its turns, as the gateway's session tree does. Nothing is exported
     or detokenized per call; `get_state()` detokenizes only branches that changed. A request that no
     longer fits the context ends the episode: the call answers with empty `length` choices,
-    `status` becomes `context_full` (in every node's metadata) and later calls answer the same.
+    `status` becomes `context_full` (in every node's metadata) and later calls answer the same; when
+    that was the first request, `get_state()` has no node (and `set_scores([])` finishes the session).
+    The overflow is told apart from other errors by the gateway's error code (`context_overflow`);
+    any other error propagates, as from atroposlib's own ManagedServer.
     """
 
     def __init__(
