@@ -467,6 +467,18 @@ def export(
         None
     ),
     since: Annotated[float | None, typer.Option(help="Only sessions created at or after this Unix time.")] = None,
+    max_lag: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Leave out (or mask, see --lag-mode) tokens sampled more than this many weights versions "
+            "before the gateway's current one.",
+        ),
+    ] = None,
+    lag_mode: Annotated[
+        str | None,
+        typer.Option(help="With --max-lag: drop (the sample; default) or mask (its too-old tokens out of the loss)."),
+    ] = None,
 ) -> None:
     """Export recorded sessions from a running gateway as a dataset file, streamed to disk as the
     gateway reads its store (the dataset is never held in memory)."""
@@ -485,6 +497,8 @@ def export(
         "group_id": group_id,
         "since": since,
         "finished": None if finished is None else str(finished).lower(),
+        "max_lag": max_lag,
+        "lag_mode": lag_mode,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # a failed export never leaves a truncated dataset
