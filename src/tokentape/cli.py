@@ -107,7 +107,7 @@ def serve(
         typer.Option(
             help="A session whose first sampled token is more than this many weights versions old takes no "
             "new turns (409 session_stale; its data stays exportable, marked stale). A session's own "
-            "metadata.max_staleness overrides it."
+            'max_staleness (POST /sessions {"max_staleness": K}) overrides it.'
         ),
     ] = None,
     admit_per_version: Annotated[

@@ -21,7 +21,7 @@ from typing import Any
 
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
-from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale
+from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale, session_bound
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, SampledToken
@@ -267,10 +267,8 @@ class Gateway:
         """A session too old for the policy takes no new turns (marked stale, still exportable); a new
         group waits for room under admission control (429 with Retry-After)."""
         tree = session.tree
-        limit = self.staleness.max_staleness
-        own = tree.outcome.metadata.get("max_staleness")  # set per session at creation
-        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
-            limit = own
+        own = session_bound(tree.outcome.metadata)  # set per session at creation
+        limit = self.staleness.max_staleness if own is None else own
         first = first_version(tree.nodes)
         if is_stale(first, self.gate.version, limit):
             if tree.outcome.metadata.get("stale") is not True:

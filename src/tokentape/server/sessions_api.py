@@ -64,6 +64,19 @@ def _metadata(data: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _max_staleness(data: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """The session's own bounded staleness: `max_staleness` (or, as before, `metadata.max_staleness`),
+    a whole number >= 0; kept in the metadata, where the gateway reads it on every turn."""
+    values = {"max_staleness": data.get("max_staleness"), "metadata.max_staleness": metadata.get("max_staleness")}
+    for param, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidRequest(f"{param} must be a whole number of versions, 0 or more", param=param)
+    field, nested = values["max_staleness"], values["metadata.max_staleness"]
+    if field is not None and nested is not None and field != nested:
+        raise InvalidRequest("max_staleness and metadata.max_staleness differ; send one", param="max_staleness")
+    return metadata if field is None else {**metadata, "max_staleness": field}
+
+
 def _flag(value: str | None, param: str) -> bool | None:
     if value is None:
         return None
@@ -182,7 +195,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         session_id = _optional_str(data, "session_id")
         policy = _optional_str(data, "rewrite_policy")
         group_id = _optional_str(data, "group_id")
-        metadata = _metadata(data)
+        metadata = _max_staleness(data, _metadata(data))
         if session_id is not None and await sessions.exists(check_session_id(session_id)):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         reward = data.get("reward")
