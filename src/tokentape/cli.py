@@ -168,6 +168,11 @@ def serve(
         require_session_keys=session_keys == "required",
         max_in_flight_per_key=max_in_flight_per_key,
     )
+    staleness = None
+    if max_staleness is not None or admit_per_version is not None:
+        from tokentape.core.staleness import Staleness
+
+        staleness = Staleness(max_staleness, admit_per_version)
     if ray is not None:
         from tokentape.ray.cluster import ClusterSettings, serve_cluster
 
@@ -180,14 +185,13 @@ def serve(
             model_id=served_model_name,
             trajectory_queue=trajectory_queue,
             guard=guard,
+            staleness=staleness,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
     gateway, name = build_gateway(settings)
-    if max_staleness is not None or admit_per_version is not None:
-        from tokentape.core.staleness import Staleness
-
-        gateway.set_staleness(Staleness(max_staleness, admit_per_version))
+    if staleness is not None:
+        gateway.set_staleness(staleness)
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
         f"(sessions: /sessions/<id>/v1; store: {store}"
