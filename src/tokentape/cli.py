@@ -117,6 +117,14 @@ def serve(
             "x this many were admitted since version 0; others get 429 with Retry-After."
         ),
     ] = None,
+    admission_wait: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="With --admit-per-version: a new group that does not fit waits up to this many seconds for a "
+            "weights update to make room before its 429 (0: refused at once).",
+        ),
+    ] = 0.0,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
     ray: Annotated[
         str | None,
@@ -172,7 +180,7 @@ def serve(
     if max_staleness is not None or admit_per_version is not None:
         from tokentape.core.staleness import Staleness
 
-        staleness = Staleness(max_staleness, admit_per_version)
+        staleness = Staleness(max_staleness, admit_per_version, admission_wait)
     if ray is not None:
         from tokentape.ray.cluster import ClusterSettings, serve_cluster
 

@@ -1,4 +1,5 @@
-"""`tokentape serve --ray` hands --max-staleness and --admit-per-version to the cluster's gateways."""
+"""`tokentape serve --ray` hands --max-staleness, --admit-per-version and --admission-wait to the
+cluster's gateways."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tokentape.core.staleness import Staleness
     ("options", "expected"),
     [
         (["--max-staleness", "2", "--admit-per-version", "8"], Staleness(2, 8)),
+        (["--admit-per-version", "4", "--admission-wait", "2.5"], Staleness(None, 4, 2.5)),
         (["--max-staleness", "0"], Staleness(0, None)),
         ([], None),
     ],

@@ -40,6 +40,7 @@ LagMode = Literal["drop", "mask"]
 class Staleness:
     max_staleness: int | None = None  # K; None: unbounded
     admit_per_version: int | None = None  # B; None: no admission control
+    admission_wait: float = 0.0  # seconds a group that does not fit waits for a new version before its 429
 
 
 def session_bound(metadata: dict[str, Any]) -> int | None:
