@@ -37,6 +37,28 @@ def _vllm_greedy(server: VLLMServer, prompt: list[int], max_tokens: int) -> list
     return ids
 
 
+async def _across(
+    sdk: openai.AsyncOpenAI, http: httpx.AsyncClient, request: dict[str, Any], update: dict[str, Any]
+) -> tuple[list[int], list[str], dict[str, Any]]:
+    """One streamed turn, with `update` posted to /admin/weights once SEAM_AFTER tokens arrived: the
+    token IDs the client received, its finish reasons and the update's answer."""
+    received: list[int] = []
+    finishes: list[str] = []
+    report: dict[str, Any] | None = None
+    async for chunk in await sdk.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+            for item in choice.logprobs.content or [] if choice.logprobs else []:
+                received.append(int(item.model_extra["token_id"]))
+        if report is None and len(received) >= SEAM_AFTER:
+            answer = await http.post("/admin/weights", json=update)
+            assert answer.status_code == 200, answer.text
+            report = answer.json()
+    assert report is not None and report["status"]["weights_version"] == update["version"]
+    return received, finishes, report
+
+
 async def test_a_turn_goes_on_across_a_lora_update_on_vllm(vllm_lora_server: VLLMServer, tmp_path: Path) -> None:
     server = vllm_lora_server
     adapter = _adapter(tmp_path / "adapter", server.model_dir, seed=11)
@@ -53,20 +75,8 @@ async def test_a_turn_goes_on_across_a_lora_update_on_vllm(vllm_lora_server: VLL
                 "temperature": 0.0,
                 "logprobs": True,
             }
-            received: list[int] = []
-            finishes: list[str] = []
-            report = None
-            async for chunk in await sdk.chat.completions.create(**request, stream=True):
-                for choice in chunk.choices:
-                    if choice.finish_reason:
-                        finishes.append(choice.finish_reason)
-                    for item in choice.logprobs.content or [] if choice.logprobs else []:
-                        received.append(int(item.model_extra["token_id"]))
-                if report is None and len(received) >= SEAM_AFTER:
-                    answer = await http.post("/admin/weights", json={"version": 1, "lora": str(adapter)})
-                    assert answer.status_code == 200, answer.text
-                    report = answer.json()
-            assert report is not None and report["status"]["weights_version"] == 1
+            update = {"version": 1, "lora": str(adapter)}
+            received, finishes, report = await _across(sdk, http, request, update)
             FIGURES["gateway LoRA update on vLLM, continue (s per phase)"] = report["phases"]
             assert finishes == ["length"] and len(received) == MAX_TOKENS  # one reply, nothing lost or doubled
 
@@ -91,6 +101,31 @@ async def test_a_turn_goes_on_across_a_lora_update_on_vllm(vllm_lora_server: VLL
             (start, end) = later["action_ranges"][0]
             assert later["policy_spans"] == [[{"version": 1, "start": 0, "end": end - start}]]
             assert later["tokens"][start:end] == _vllm_greedy(server, later["tokens"][:start], end - start)
+
+            # keep: the same turn shape; the engine's prefix cache is not dropped, and the span says the
+            # tokens after the seam may run on KV of version 1 (vLLM swaps the adapter in place, one name)
+            second = {"version": 2, "lora": str(_adapter(tmp_path / "second", server.model_dir, seed=12))}
+            kept = openai.AsyncOpenAI(base_url=f"{base}/sessions/kept/v1", api_key="x", max_retries=0)
+            received, finishes, report = await _across(kept, http, request, {**second, "in_flight": "keep"})
+            await kept.close()
+            FIGURES["gateway LoRA update on vLLM, keep (s per phase)"] = report["phases"]
+            assert finishes == ["length"] and len(received) == MAX_TOKENS
+            (branch,) = (await http.get("/sessions/kept/export")).json()["branches"]
+            (spans,) = branch["policy_spans"]
+            assert [(s["version"], s.get("kv_version")) for s in spans] == [(1, None), (2, 1)], spans
+            seam = spans[0]["end"]
+            prompt = branch["tokens"][: branch["action_ranges"][0][0]]
+            fresh = _vllm_greedy(server, prompt + received[:seam], MAX_TOKENS - seam)
+            FIGURES["vLLM keep: tokens after the seam equal a fresh-KV run"] = received[seam:] == fresh
+
+            # abort: the running turn ends after its next token, finish reason abort, nothing resubmitted
+            third = {"version": 3, "lora": str(_adapter(tmp_path / "third", server.model_dir, seed=13))}
+            cut = openai.AsyncOpenAI(base_url=f"{base}/sessions/cut/v1", api_key="x", max_retries=0)
+            received, finishes, report = await _across(cut, http, request, {**third, "in_flight": "abort"})
+            await cut.close()
+            assert finishes == ["abort"] and SEAM_AFTER <= len(received) < MAX_TOKENS
+            (branch,) = (await http.get("/sessions/cut/export")).json()["branches"]
+            assert [s["version"] for s in branch["policy_spans"][0]] == [2]
         finally:
             await sdk.close()
             await http.aclose()
