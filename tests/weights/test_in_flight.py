@@ -130,7 +130,7 @@ async def test_many_updates_under_several_agents_lose_and_double_nothing(
     fresh: Gateway, own_engine: LlamaCppEngine, adapters: list[Path]
 ) -> None:
     rng = random.Random(7)
-    updates, agents, turns_each = 20, 4, 4
+    updates, agents, turns_each = 50, 8, 6
     handed_before = own_engine.tokens_generated
     seen: dict[str, list[int]] = {}
 
@@ -146,7 +146,7 @@ async def test_many_updates_under_several_agents_lose_and_double_nothing(
 
     async def trainer() -> None:
         for version in range(1, updates + 1):
-            await asyncio.sleep(rng.uniform(0.1, 0.4))  # tokens flow between updates
+            await asyncio.sleep(rng.uniform(0.05, 0.25))  # tokens flow between updates
             mode = rng.choice(["continue", "continue", "keep"])
             await fresh.update_weights(version, lora=str(adapters[version % 3]), in_flight=mode)
 
