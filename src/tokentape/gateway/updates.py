@@ -4,8 +4,10 @@ In order: validate (a version that is new, a known in_flight mode, every engine 
 `check_weights` reads headers, changes nothing; any refusal is a 400/409 before anything is paused);
 hold new generations and stop the running ones at a token boundary (`continue`, `keep`) or end them
 (`abort`), and wait until no generation is in an engine; pause every engine its own way; load the
-weights on every engine; probe each with a fixed prompt; only if all of that succeeded, bump the
-version and resume (dropping every cached prefix unless `keep`). On a failure the version stays, the
+weights on every engine; resume the engines (dropping every cached prefix unless `keep`; the
+gateway still holds every generation, so nothing but the probe reaches them) and probe each with a
+fixed prompt (a paused vLLM or SGLang would hold the probe too); only if all of that succeeded, bump
+the version and release generation. On a failure the version stays, the
 error names the engine and why, and generation stays held until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
 again), or a new update. One update at a time: a second one while one runs is refused (409).
@@ -189,9 +191,12 @@ class WeightUpdater:
             lap("pause")
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
+            # engines resume before their probe: a paused vLLM or SGLang holds every request, the probe's
+            # too. The gateway's own gate stays held, so nothing else reaches them until the switch.
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
+            lap("resume")
             await self._probe(engines)
             lap("probe")
-            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
         except UpdateFailed as exc:
             message = exc.message
             if loaded:  # atomic: the engines that took the new weights go back to the current ones
@@ -209,7 +214,7 @@ class WeightUpdater:
         self.failure = None
         if not was_paused:
             gate.release()
-        lap("resume")
+        phases["resume"] += time.perf_counter() - clock  # the switch and release count with the resume
         paused = time.perf_counter() - held_at
         report = {
             "version": update.version,
@@ -277,7 +282,7 @@ class WeightUpdater:
 
     async def rollback(self) -> dict[str, Any]:
         """After a failed update: load the weights of the current version again on every engine,
-        probe them and resume."""
+        resume and probe them, then release generation."""
         if self.running:
             raise Conflict("a weight update is running", code="update_in_progress")
         if self.failure is None:
@@ -288,8 +293,8 @@ class WeightUpdater:
         self.running = True
         try:
             await self._restore(engines, gate.version)
-            await self._probe(engines)
             await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=True))
+            await self._probe(engines)  # after the resume, as in an update; the gate holds all else
         finally:
             self.running = False
         self.failure = None

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from tokentape.core.staleness import Staleness
 from tokentape.engines.weights import InFlight
 from tokentape.errors import Conflict, TokentapeError
 from tokentape.gateway.updates import WeightUpdate
@@ -161,6 +162,7 @@ class GatewaySpec:
     trajectory_queue: str | None = None  # hand finished sessions to this queue
     engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
     guard: GuardSettings | None = None  # keys and limits
+    staleness: Staleness | None = None  # --max-staleness / --admit-per-version, as on one gateway
 
 
 class GatewayActor:
@@ -190,6 +192,8 @@ class GatewayActor:
             version = int((await registry.describe.remote())["weights_version"])
             if version:
                 gateway.gate.version, gateway.gate.label = version, str(version)
+        if spec.staleness is not None:  # every gateway switches version together, so K means the same on each
+            gateway.set_staleness(spec.staleness)
         self.gateway = gateway
         self.app = create_app(
             gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
