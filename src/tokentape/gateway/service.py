@@ -202,6 +202,7 @@ class Gateway:
         the running ones at their next token (recorded with finish reason "abort"). A generation
         waiting for its answer in one piece has shown nothing yet: it waits too, and goes on (streamed
         from the engine) once resumed."""
+        self.gate.operator_hold = True
         self.gate.hold()
         if abort:
             self.gate.abort()
@@ -211,11 +212,19 @@ class Gateway:
         or a string that is one, also sets the weights version). Refused while engines may hold
         different weights after a failed update (roll back first)."""
         self.updates.check_resumable()
+        version = None if policy_version is None else parse_version(policy_version)
+        if version is not None and version < self.gate.version:
+            # versions only grow: a lower one would make the tape's version numbers repeat
+            raise Conflict(
+                f"version {version} is older than the gateway's version {self.gate.version}",
+                param="policy_version",
+                code="version_not_new",
+            )
         if policy_version is not None:
             self.gate.label = str(policy_version)
-            version = parse_version(policy_version)
             if version is not None:
                 self.gate.version = version
+        self.gate.operator_hold = False
         self.gate.release()
 
     # -- requests --------------------------------------------------------------------------------------

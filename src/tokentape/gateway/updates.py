@@ -167,8 +167,8 @@ class WeightUpdater:
                 raise result
         lap("check")
         held_at = time.perf_counter()
-        # held by an operator's pause stays held; held by a failed update is released by this one
-        was_paused = not gate.running.is_set() and self.failure is None
+        # held by an operator's pause (before or during the update) stays held; held by a failed update
+        # is released by this one
         gate.hold()
         if update.in_flight == "abort":
             gate.abort()
@@ -177,7 +177,7 @@ class WeightUpdater:
         try:
             await asyncio.wait_for(gate.quiet(), QUIET_TIMEOUT)
         except TimeoutError:
-            if not was_paused:  # nothing was paused or loaded: generations go on under the old version
+            if not gate.operator_hold:  # nothing was paused or loaded: generations go on under the old version
                 gate.release()
             raise UpdateFailed(
                 f"running generations did not stop within {QUIET_TIMEOUT:g} s (a client not reading its "
@@ -212,7 +212,8 @@ class WeightUpdater:
         gate.label = str(update.version)
         self.history.append(update.source)
         self.failure = None
-        if not was_paused:
+        still_paused = gate.operator_hold
+        if not still_paused:
             gate.release()
         phases["resume"] += time.perf_counter() - clock  # the switch and release count with the resume
         paused = time.perf_counter() - held_at
@@ -224,7 +225,7 @@ class WeightUpdater:
             "engines": [{"engine": name, "version": update.version} for name, _ in engines],
             "phases": {name: round(seconds, 6) for name, seconds in phases.items()},
             "paused_seconds": round(paused, 6),
-            "still_paused": was_paused,
+            "still_paused": still_paused,
         }
         self.last = report
         return report

@@ -43,6 +43,8 @@ class VersionGate:
         self.label: str | None = None  # the free-form label recorded on each turn
         self.running = asyncio.Event()
         self.running.set()
+        # an operator's /admin/pause: a weight update that lands meanwhile leaves the gateway held
+        self.operator_hold = False
         self.seam_epoch = 0  # bumped by an update that lets turns go on (continue, keep)
         self.seam_mode: InFlight = "continue"
         self.abort_epoch = 0  # bumped by an update (or pause) that ends running turns
