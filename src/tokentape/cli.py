@@ -107,7 +107,7 @@ def serve(
         typer.Option(
             help="A session whose first sampled token is more than this many weights versions old takes no "
             "new turns (409 session_stale; its data stays exportable, marked stale). A session's own "
-            "metadata.max_staleness overrides it."
+            'max_staleness (POST /sessions {"max_staleness": K}) overrides it.'
         ),
     ] = None,
     admit_per_version: Annotated[
@@ -117,6 +117,14 @@ def serve(
             "x this many were admitted since version 0; others get 429 with Retry-After."
         ),
     ] = None,
+    admission_wait: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="With --admit-per-version: a new group that does not fit waits up to this many seconds for a "
+            "weights update to make room before its 429 (0: refused at once).",
+        ),
+    ] = 0.0,
     log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
     ray: Annotated[
         str | None,
@@ -168,6 +176,11 @@ def serve(
         require_session_keys=session_keys == "required",
         max_in_flight_per_key=max_in_flight_per_key,
     )
+    staleness = None
+    if max_staleness is not None or admit_per_version is not None:
+        from tokentape.core.staleness import Staleness
+
+        staleness = Staleness(max_staleness, admit_per_version, admission_wait)
     if ray is not None:
         from tokentape.ray.cluster import ClusterSettings, serve_cluster
 
@@ -180,14 +193,13 @@ def serve(
             model_id=served_model_name,
             trajectory_queue=trajectory_queue,
             guard=guard,
+            staleness=staleness,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
     gateway, name = build_gateway(settings)
-    if max_staleness is not None or admit_per_version is not None:
-        from tokentape.core.staleness import Staleness
-
-        gateway.set_staleness(Staleness(max_staleness, admit_per_version))
+    if staleness is not None:
+        gateway.set_staleness(staleness)
     typer.echo(
         f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
         f"(sessions: /sessions/<id>/v1; store: {store}"
@@ -477,6 +489,18 @@ def export(
     api_key: Annotated[
         str | None, typer.Option(envvar="TOKENTAPE_API_KEY", help="A trainer key of the gateway, if it has keys.")
     ] = None,
+    max_lag: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Leave out (or mask, see --lag-mode) tokens sampled more than this many weights versions "
+            "before the gateway's current one.",
+        ),
+    ] = None,
+    lag_mode: Annotated[
+        str | None,
+        typer.Option(help="With --max-lag: drop (the sample; default) or mask (its too-old tokens out of the loss)."),
+    ] = None,
 ) -> None:
     """Export recorded sessions from a running gateway as a dataset file, streamed to disk as the
     gateway reads its store (the dataset is never held in memory)."""
@@ -495,6 +519,8 @@ def export(
         "group_id": group_id,
         "since": since,
         "finished": None if finished is None else str(finished).lower(),
+        "max_lag": max_lag,
+        "lag_mode": lag_mode,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # a failed export never leaves a truncated dataset

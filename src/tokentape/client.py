@@ -109,13 +109,43 @@ class GatewayClient:
     async def detokenize(self, tokens: list[int]) -> str:
         return str((await self._call("POST", "/detokenize", json={"tokens": tokens}))["prompt"])
 
-    async def export(self, session_id: str, format: str | None = None) -> Any:
-        params = {"format": format} if format else {}
+    async def export(
+        self, session_id: str, format: str | None = None, *, max_lag: int | None = None, lag_mode: str | None = None
+    ) -> Any:
+        """One session's export; `max_lag` (with `lag_mode` drop or mask) as `GET /sessions/{id}/export`."""
+        given = {"format": format, "max_lag": max_lag, "lag_mode": lag_mode}
+        params = {k: str(v) for k, v in given.items() if v is not None}
         return await self._call("GET", f"/sessions/{session_id}/export", params=params)
 
     async def export_all(self, format: str = "tokentape", output: str = "json", **filters: Any) -> Any:
         params = {"format": format, "output": output, **{k: str(v) for k, v in filters.items() if v is not None}}
         return await self._call("GET", "/export", params=params)
+
+    async def update_weights(
+        self,
+        version: int,
+        *,
+        lora: str | None = None,
+        model: str | None = None,
+        engine_managed: bool = False,
+        in_flight: str = "continue",
+    ) -> dict[str, Any]:
+        """New weights on every engine of the gateway, atomically (`POST /admin/weights`, with the
+        trainer key): the seconds each phase took (`check`, `hold`, `pause`, `load`, `probe`,
+        `resume`, `paused_seconds`) and the gateway's status after it. A refused or failed update
+        raises `openai.APIStatusError` with the gateway's error (400/409 before anything paused, 502
+        naming the engine that failed; the gateway then stays held until `rollback()`)."""
+        body: dict[str, Any] = {"version": version, "in_flight": in_flight}
+        body.update({k: v for k, v in (("lora", lora), ("model", model)) if v is not None})
+        if engine_managed:
+            body["engine_managed"] = True
+        result: dict[str, Any] = await self._call("POST", "/admin/weights", json=body)
+        return result
+
+    async def rollback(self) -> dict[str, Any]:
+        """After a failed update: the current version's weights on every engine again, and resume."""
+        result: dict[str, Any] = await self._call("POST", "/admin/rollback")
+        return result
 
     async def aclose(self) -> None:
         await self.http.aclose()

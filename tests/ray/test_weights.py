@@ -14,6 +14,7 @@ import ray
 
 from tests.ray.conftest import free_port_block
 from tests.support.lora import write_lora
+from tokentape.core.staleness import Staleness, admission_limit
 
 MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3, "temperature": 0}
@@ -32,6 +33,8 @@ def weights_cluster(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -
             store_dir=str(tmp_path_factory.mktemp("weight-shards")),
             runtime=RuntimeSettings(context_length=1024, threads=1),
             engine_actors=1,
+            # as `serve --ray --max-staleness 1 --admit-per-version 2` passes them to every gateway
+            staleness=Staleness(max_staleness=1, admit_per_version=2),
         )
     )
     try:
@@ -136,3 +139,32 @@ def test_a_gateway_held_by_a_cluster_update_is_not_resumed_by_hand(weights_clust
         ray.get(gateway.finish_update.remote(None))  # what the registry does after a rollback
     assert httpx.get(f"{url}/admin/status", timeout=30).json()["paused"] is False
     assert httpx.post(f"{url}/admin/resume", json={}, timeout=30).status_code == 200
+
+
+def test_staleness_options_reach_every_gateway(weights_cluster: Any, tmp_path: Path) -> None:
+    adapter = write_lora(tmp_path / "adapter.gguf", seed=6)
+    urls = list(weights_cluster.gateway_urls.values())
+    version = httpx.get(f"{urls[0]}/admin/status", timeout=30).json()["weights_version"]
+    # admission: each gateway admits at most (K + version + 1) x B groups; 2 x that + 4 new ones cannot all fit
+    tries = 2 * admission_limit(version, 1, 2) + 4
+    answers = [
+        httpx.post(f"{urls[i % 2]}/sessions/adm-{i}/v1/chat/completions", json=BODY, timeout=60) for i in range(tries)
+    ]
+    admitted = [i for i, r in enumerate(answers) if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert refused and all(r.status_code == 429 for r in refused)
+    assert {r.json()["error"]["code"] for r in refused} == {"admission_closed"}
+    assert all(r.headers["retry-after"] for r in refused)
+    assert len(admitted) <= 2 * admission_limit(version, 1, 2)
+    # max_staleness 1: a session begun at `version` goes on one version later, not two; one whose own K
+    # is 0 (set at creation through the cluster) only at the version it began under
+    old = f"adm-{admitted[0]}"
+    assert weights_cluster.update_weights(version + 1, lora=str(adapter))["version"] == version + 1
+    assert httpx.post(f"{urls[1]}/sessions/{old}/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    own = httpx.post(f"{urls[1]}/sessions", json={"session_id": "own-k0", "max_staleness": 0}, timeout=30)
+    assert own.status_code == 201 and own.json()["max_staleness"] == 0
+    assert httpx.post(f"{urls[0]}/sessions/own-k0/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    assert weights_cluster.update_weights(version + 2, lora=str(adapter))["version"] == version + 2
+    for name in (old, "own-k0"):
+        stale = httpx.post(f"{urls[0]}/sessions/{name}/v1/chat/completions", json=BODY, timeout=60)
+        assert stale.status_code == 409 and stale.json()["error"]["code"] == "session_stale", name

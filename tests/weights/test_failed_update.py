@@ -4,7 +4,9 @@ weights, the version is unchanged, nothing is served in between, and the error n
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +14,9 @@ import pytest
 from tests.support.weights import Pool, RefusingEngine
 from tests.weights.reference import cold_greedy
 from tests.weights.test_embedded_weights import greedy_turn
+from tokentape.engines.base import SampledToken
 from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.engines.weights import InFlight, WeightUpdateFailed
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
@@ -107,3 +111,37 @@ async def test_a_client_that_stops_reading_fails_the_update_without_changing_any
         await fresh.update_weights(1, lora=str(adapters[0]))
     assert (fresh.gate.version, fresh.paused, own_engine.weights_version) == (0, False, 0)
     await events.aclose()
+
+
+class HoldsWhilePaused(RefusingEngine):
+    """Like vLLM and SGLang: a generation sent while it is paused is held until it resumes (here it
+    fails at once, so that the test does not hang)."""
+
+    def __init__(self) -> None:
+        super().__init__(loads_ok=10)
+        self.paused = False
+
+    async def pause_generation(self, in_flight: InFlight) -> None:
+        await super().pause_generation(in_flight)
+        self.paused = True
+
+    async def resume_generation(self, *, fresh_kv: bool) -> None:
+        await super().resume_generation(fresh_kv=fresh_kv)
+        self.paused = False
+
+    async def generate(self, prompt: Any, params: Any, **options: Any) -> AsyncGenerator[SampledToken, None]:
+        if self.paused:
+            raise WeightUpdateFailed("a paused engine holds this request until it resumes")
+        async for token in super().generate(prompt, params, **options):
+            yield token
+
+
+async def test_an_engine_that_holds_requests_while_paused_is_probed_after_it_resumes(
+    own_engine: LlamaCppEngine, renderer: Renderer, fresh: Gateway, adapters: list[Path]
+) -> None:
+    stand_in = HoldsWhilePaused()
+    gateway = Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry())
+    report = await gateway.update_weights(1, lora=str(adapters[0]))
+    assert stand_in.steps == ["check", "pause", "load 1", "resume", "generate"]  # the probe, once resumed
+    assert report["version"] == 1 and gateway.gate.version == 1 and not gateway.paused
+    assert list(report["phases"]) == ["check", "hold", "pause", "load", "resume", "probe"]

@@ -4,7 +4,10 @@ while admitting it would exceed (K + version + 1) x B groups."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -54,3 +57,82 @@ async def test_admission_refuses_a_new_group_past_the_limit(
     assert refused.headers["retry-after"]
     await fresh.update_weights(1, lora=str(adapters[0]))
     assert (await admin.post("/sessions/c1/v1/chat/completions", json=BODY)).status_code == 200
+
+
+async def test_max_staleness_is_a_field_of_the_session(
+    fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
+) -> None:
+    fresh.set_staleness(Staleness(max_staleness=5))  # the gateway's bound; each session below has its own
+    created = await admin.post("/sessions", json={"session_id": "own", "max_staleness": 0})
+    assert created.status_code == 201 and created.json()["max_staleness"] == 0
+    assert (await admin.get("/sessions/own")).json()["max_staleness"] == 0
+    listed = (await admin.get("/sessions", params={"limit": 10})).json()["data"]
+    assert [s["max_staleness"] for s in listed if s["session_id"] == "own"] == [0]
+    both = await admin.post(
+        "/sessions", json={"session_id": "both", "max_staleness": 1, "metadata": {"max_staleness": 1}}
+    )
+    assert both.json()["max_staleness"] == 1
+    plain = await admin.post("/sessions", json={"session_id": "plain"})
+    assert plain.json()["max_staleness"] is None  # the gateway's --max-staleness applies
+    for name in ("own", "both", "plain"):
+        assert (await admin.post(f"/sessions/{name}/v1/chat/completions", json=BODY)).status_code == 200
+    await fresh.update_weights(1, lora=str(adapters[0]))
+    refused = await admin.post("/sessions/own/v1/chat/completions", json=BODY)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_stale"
+    assert "max_staleness is 0" in refused.json()["error"]["message"]
+    for name in ("both", "plain"):
+        assert (await admin.post(f"/sessions/{name}/v1/chat/completions", json=BODY)).status_code == 200
+    await fresh.update_weights(2, lora=str(adapters[1]))
+    refused = await admin.post("/sessions/both/v1/chat/completions", json=BODY)
+    assert refused.status_code == 409 and "max_staleness is 1" in refused.json()["error"]["message"]
+    assert (await admin.post("/sessions/plain/v1/chat/completions", json=BODY)).status_code == 200
+
+
+async def test_a_bad_max_staleness_is_a_400_and_creates_nothing(fresh: Gateway, admin: httpx.AsyncClient) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"max_staleness": 1.5}, "max_staleness"),
+        ({"max_staleness": "2"}, "max_staleness"),
+        ({"max_staleness": True}, "max_staleness"),
+        ({"metadata": {"max_staleness": -2}}, "metadata.max_staleness"),
+        ({"max_staleness": 1, "metadata": {"max_staleness": 2}}, "max_staleness"),
+    ]
+    for body, param in cases:
+        refused = await admin.post("/sessions", json={"session_id": "bad", **body})
+        assert refused.status_code == 400, body
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, body
+        assert (await admin.get("/sessions/bad")).status_code == 404
+
+
+async def test_a_new_group_waits_for_a_version_bump_before_its_429(
+    fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
+) -> None:
+    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1, admission_wait=30.0))  # 1 group at v0
+    assert (await admin.post("/sessions/g1/v1/chat/completions", json=BODY)).status_code == 200
+    waiting = asyncio.create_task(admin.post("/sessions/g2/v1/chat/completions", json=BODY))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # no room at version 0: it waits instead of a 429
+    started = time.monotonic()
+    await fresh.update_weights(1, lora=str(adapters[0]))  # (0 + 1 + 1) x 1: room for one more group
+    answer = await asyncio.wait_for(waiting, 30)
+    assert answer.status_code == 200 and time.monotonic() - started < 5
+    (branch,) = (await admin.get("/sessions/g2/export")).json()["branches"]
+    assert {v for v in branch["versions"] if v >= 0} == {1}  # admitted, and sampled, under the new version
+    # a bump that makes no room for it: the wait goes on, and ends in the 429 when its time is up
+    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1, admission_wait=0.6))
+    fresh.group_admission.admitted.update({"x", "y", "z"})  # type: ignore[union-attr]  # 4 admitted, room for 2
+    started = time.monotonic()
+    asking = asyncio.create_task(admin.post("/sessions/g3/v1/chat/completions", json=BODY))
+    await asyncio.sleep(0.2)
+    await fresh.update_weights(2, lora=str(adapters[1]))  # room for 3 groups: still none for a 6th
+    refused = await asking
+    waited = time.monotonic() - started
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "admission_closed"
+    assert 0.6 <= waited < 5
+    # without a wait: refused at once
+    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1))
+    fresh.group_admission.admitted.update({"x", "y", "z"})  # type: ignore[union-attr]  # (0 + 2 + 1) x 1: full
+    started = time.monotonic()
+    assert (await admin.post("/sessions/g4/v1/chat/completions", json=BODY)).status_code == 429
+    assert time.monotonic() - started < 0.5

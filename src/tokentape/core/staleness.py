@@ -30,6 +30,7 @@ __all__ = [
     "first_version",
     "is_stale",
     "lag_filter",
+    "session_bound",
 ]
 
 LagMode = Literal["drop", "mask"]
@@ -39,6 +40,13 @@ LagMode = Literal["drop", "mask"]
 class Staleness:
     max_staleness: int | None = None  # K; None: unbounded
     admit_per_version: int | None = None  # B; None: no admission control
+    admission_wait: float = 0.0  # seconds a group that does not fit waits for a new version before its 429
+
+
+def session_bound(metadata: dict[str, Any]) -> int | None:
+    """A session's own max_staleness (set at creation, kept in its metadata), if it has a valid one."""
+    own = metadata.get("max_staleness")
+    return own if isinstance(own, int) and not isinstance(own, bool) and own >= 0 else None
 
 
 def first_version(nodes: Sequence[Any]) -> int | None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
-from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale
+from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale, session_bound
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, SampledToken
@@ -87,6 +88,7 @@ class Gateway:
         self.staleness = Staleness()
         self.group_admission: GroupAdmission | None = None
         self.admission_retry_after = 5.0
+        self.admission_wait = 0.0  # seconds a new group may wait for room before its 429
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
@@ -200,6 +202,7 @@ class Gateway:
         the running ones at their next token (recorded with finish reason "abort"). A generation
         waiting for its answer in one piece has shown nothing yet: it waits too, and goes on (streamed
         from the engine) once resumed."""
+        self.gate.operator_hold = True
         self.gate.hold()
         if abort:
             self.gate.abort()
@@ -209,11 +212,19 @@ class Gateway:
         or a string that is one, also sets the weights version). Refused while engines may hold
         different weights after a failed update (roll back first)."""
         self.updates.check_resumable()
+        version = None if policy_version is None else parse_version(policy_version)
+        if version is not None and version < self.gate.version:
+            # versions only grow: a lower one would make the tape's version numbers repeat
+            raise Conflict(
+                f"version {version} is older than the gateway's version {self.gate.version}",
+                param="policy_version",
+                code="version_not_new",
+            )
         if policy_version is not None:
             self.gate.label = str(policy_version)
-            version = parse_version(policy_version)
             if version is not None:
                 self.gate.version = version
+        self.gate.operator_hold = False
         self.gate.release()
 
     # -- requests --------------------------------------------------------------------------------------
@@ -280,10 +291,8 @@ class Gateway:
         """A session too old for the policy takes no new turns (marked stale, still exportable); a new
         group waits for room under admission control (429 with Retry-After)."""
         tree = session.tree
-        limit = self.staleness.max_staleness
-        own = tree.outcome.metadata.get("max_staleness")  # set per session at creation
-        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
-            limit = own
+        own = session_bound(tree.outcome.metadata)  # set per session at creation
+        limit = self.staleness.max_staleness if own is None else own
         first = first_version(tree.nodes)
         if is_stale(first, self.gate.version, limit):
             if tree.outcome.metadata.get("stale") is not True:
@@ -297,7 +306,7 @@ class Gateway:
             )
         if self.group_admission is not None and not tree.nodes:
             group = tree.outcome.group_id or f"session:{tree.session_id}"
-            if not self.group_admission.admit(group, self.gate.version):
+            if not await self._admit(self.group_admission, group):
                 wait = self.group_admission.versions_to_wait(self.gate.version)
                 refused = Overloaded(
                     f"admitting group {group!r} would exceed (max_staleness + version + 1) x admit_per_version "
@@ -307,8 +316,23 @@ class Gateway:
                 refused.code = "admission_closed"
                 raise refused
 
+    async def _admit(self, admission: GroupAdmission, group: str) -> bool:
+        """Admit `group` now, or (with `admission_wait`) as soon as a new version makes room within
+        that many seconds; False: still no room."""
+        deadline = time.monotonic() + self.admission_wait
+        while not admission.admit(group, self.gate.version):
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.gate.next_version(left):
+                return admission.admit(group, self.gate.version)
+        return True
+
     def set_staleness(self, staleness: Staleness, *, retry_after: float = 5.0) -> None:
-        """Bound staleness (`--max-staleness`) and admit new groups in AReaL's form (`--admit-per-version`)."""
+        """Bound staleness (`--max-staleness`) and admit new groups in AReaL's form (`--admit-per-version`;
+        a group that does not fit waits up to `staleness.admission_wait` seconds for a new version
+        before its 429)."""
+        if staleness.admission_wait < 0:
+            raise ValueError("admission_wait must be >= 0")
+        self.admission_wait = staleness.admission_wait
         self.staleness = staleness
         per_version = staleness.admit_per_version
         self.group_admission = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tokentape.core.messages import Message, chain_of
 from tokentape.core.session import SessionTree
+from tokentape.core.staleness import session_bound
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound, StoreFailure
 from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
@@ -86,7 +87,12 @@ class Session:
         return self.tree.session_id
 
     def summary(self) -> dict[str, object]:
-        return {**self.tree.summary(), "requests": self.requests}
+        # max_staleness: the session's own bound (None: the gateway's --max-staleness applies)
+        return {
+            **self.tree.summary(),
+            "requests": self.requests,
+            "max_staleness": session_bound(self.tree.outcome.metadata),
+        }
 
     def check_open(self) -> None:
         if self.tree.outcome.finished:

@@ -4,8 +4,10 @@ In order: validate (a version that is new, a known in_flight mode, every engine 
 `check_weights` reads headers, changes nothing; any refusal is a 400/409 before anything is paused);
 hold new generations and stop the running ones at a token boundary (`continue`, `keep`) or end them
 (`abort`), and wait until no generation is in an engine; pause every engine its own way; load the
-weights on every engine; probe each with a fixed prompt; only if all of that succeeded, bump the
-version and resume (dropping every cached prefix unless `keep`). On a failure the version stays, the
+weights on every engine; resume the engines (dropping every cached prefix unless `keep`; the
+gateway still holds every generation, so nothing but the probe reaches them) and probe each with a
+fixed prompt (a paused vLLM or SGLang would hold the probe too); only if all of that succeeded, bump
+the version and release generation. On a failure the version stays, the
 error names the engine and why, and generation stays held until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
 again), or a new update. One update at a time: a second one while one runs is refused (409).
@@ -165,8 +167,8 @@ class WeightUpdater:
                 raise result
         lap("check")
         held_at = time.perf_counter()
-        # held by an operator's pause stays held; held by a failed update is released by this one
-        was_paused = not gate.running.is_set() and self.failure is None
+        # held by an operator's pause (before or during the update) stays held; held by a failed update
+        # is released by this one
         gate.hold()
         if update.in_flight == "abort":
             gate.abort()
@@ -175,7 +177,7 @@ class WeightUpdater:
         try:
             await asyncio.wait_for(gate.quiet(), QUIET_TIMEOUT)
         except TimeoutError:
-            if not was_paused:  # nothing was paused or loaded: generations go on under the old version
+            if not gate.operator_hold:  # nothing was paused or loaded: generations go on under the old version
                 gate.release()
             raise UpdateFailed(
                 f"running generations did not stop within {QUIET_TIMEOUT:g} s (a client not reading its "
@@ -189,9 +191,12 @@ class WeightUpdater:
             lap("pause")
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
+            # engines resume before their probe: a paused vLLM or SGLang holds every request, the probe's
+            # too. The gateway's own gate stays held, so nothing else reaches them until the switch.
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
+            lap("resume")
             await self._probe(engines)
             lap("probe")
-            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
         except UpdateFailed as exc:
             message = exc.message
             if loaded:  # atomic: the engines that took the new weights go back to the current ones
@@ -207,9 +212,10 @@ class WeightUpdater:
         gate.label = str(update.version)
         self.history.append(update.source)
         self.failure = None
-        if not was_paused:
+        still_paused = gate.operator_hold
+        if not still_paused:
             gate.release()
-        lap("resume")
+        phases["resume"] += time.perf_counter() - clock  # the switch and release count with the resume
         paused = time.perf_counter() - held_at
         report = {
             "version": update.version,
@@ -219,7 +225,7 @@ class WeightUpdater:
             "engines": [{"engine": name, "version": update.version} for name, _ in engines],
             "phases": {name: round(seconds, 6) for name, seconds in phases.items()},
             "paused_seconds": round(paused, 6),
-            "still_paused": was_paused,
+            "still_paused": still_paused,
         }
         self.last = report
         return report
@@ -277,7 +283,7 @@ class WeightUpdater:
 
     async def rollback(self) -> dict[str, Any]:
         """After a failed update: load the weights of the current version again on every engine,
-        probe them and resume."""
+        resume and probe them, then release generation."""
         if self.running:
             raise Conflict("a weight update is running", code="update_in_progress")
         if self.failure is None:
@@ -288,8 +294,8 @@ class WeightUpdater:
         self.running = True
         try:
             await self._restore(engines, gate.version)
-            await self._probe(engines)
             await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=True))
+            await self._probe(engines)  # after the resume, as in an update; the gate holds all else
         finally:
             self.running = False
         self.failure = None

@@ -38,10 +38,13 @@ class Cuttable(Protocol):
 
 class VersionGate:
     def __init__(self) -> None:
-        self.version = 0
+        self._version = 0
+        self._bumped = asyncio.Event()  # set (and replaced) each time the version changes
         self.label: str | None = None  # the free-form label recorded on each turn
         self.running = asyncio.Event()
         self.running.set()
+        # an operator's /admin/pause: a weight update that lands meanwhile leaves the gateway held
+        self.operator_hold = False
         self.seam_epoch = 0  # bumped by an update that lets turns go on (continue, keep)
         self.seam_mode: InFlight = "continue"
         self.abort_epoch = 0  # bumped by an update (or pause) that ends running turns
@@ -51,6 +54,26 @@ class VersionGate:
         self._in_engine = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        if version != self._version:
+            self._version = version
+            self._bumped.set()  # wakes whoever waits for a new version
+            self._bumped = asyncio.Event()
+
+    async def next_version(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the version to change; whether it did."""
+        bumped = self._bumped
+        try:
+            await asyncio.wait_for(bumped.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     @property
     def in_engine(self) -> int:

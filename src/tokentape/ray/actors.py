@@ -18,9 +18,10 @@ from typing import Any
 
 import ray
 
+from tokentape.core.staleness import Staleness
 from tokentape.engines.weights import InFlight
 from tokentape.errors import Conflict, TokentapeError
-from tokentape.gateway.updates import WeightUpdate
+from tokentape.gateway.updates import WeightUpdate, WeightUpdater
 from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
@@ -161,6 +162,7 @@ class GatewaySpec:
     trajectory_queue: str | None = None  # hand finished sessions to this queue
     engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
     guard: GuardSettings | None = None  # keys and limits
+    staleness: Staleness | None = None  # --max-staleness / --admit-per-version, as on one gateway
 
 
 class GatewayActor:
@@ -190,6 +192,10 @@ class GatewayActor:
             version = int((await registry.describe.remote())["weights_version"])
             if version:
                 gateway.gate.version, gateway.gate.label = version, str(version)
+        else:  # remote engines shared by every gateway: this one alone cannot hold the others
+            gateway.updates = SharedEngineUpdates(gateway)
+        if spec.staleness is not None:  # every gateway switches version together, so K means the same on each
+            gateway.set_staleness(spec.staleness)
         self.gateway = gateway
         self.app = create_app(
             gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
@@ -349,6 +355,22 @@ class ClusterUpdates:
     async def rollback(self) -> dict[str, Any]:
         await self.registry.resume_after_failure.remote(await self._gateways())
         return {"version": self.gateway.gate.version}
+
+
+class SharedEngineUpdates(WeightUpdater):
+    """`POST /admin/weights` on a gateway of a cluster over remote engines: every gateway sends to the
+    same engines, and an update run by one gateway would leave the others serving, and labelling
+    tokens with the old version, while the engines load. Refused before anything changes; update the
+    engines through a gateway of their own (no --ray), or run the cluster on engine actors."""
+
+    async def update(self, update: WeightUpdate) -> dict[str, Any]:
+        raise Conflict(
+            "weight updates over remote engines shared by the gateways of a Ray cluster are not supported: "
+            "the other gateways would go on serving while the engines load; use engine actors "
+            "(serve --ray without --engine) or one gateway without --ray",
+            param="version",
+            code="update_unsupported",
+        )
 
 
 class TrajectoryQueue:

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tokentape.core.staleness import Staleness
 from tokentape.ray.actors import (
     DIRECTORY,
     NAMESPACE,
@@ -59,6 +60,8 @@ class ClusterSettings:
     queue_capacity: int = 1024
     engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
     guard: GuardSettings | None = None  # keys and limits, the same on every gateway
+    # bounded staleness on every gateway; admission (admit_per_version) counts the groups each gateway admitted
+    staleness: Staleness | None = None
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -179,6 +182,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             trajectory_queue=settings.trajectory_queue,
             engine_actors=len(engine_actors),
             guard=settings.guard,
+            staleness=settings.staleness,
         )
         gateways.append(
             GatewayActorClass.options(

@@ -17,6 +17,7 @@ from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
 from tokentape.core.outcome import MAX_METADATA_BYTES, check_reward
 from tokentape.core.session import SessionTree
+from tokentape.core.staleness import LagMode, LagWindow, lag_filter
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_policy, check_session_id
@@ -63,6 +64,19 @@ def _metadata(data: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _max_staleness(data: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """The session's own bounded staleness: `max_staleness` (or, as before, `metadata.max_staleness`),
+    a whole number >= 0; kept in the metadata, where the gateway reads it on every turn."""
+    values = {"max_staleness": data.get("max_staleness"), "metadata.max_staleness": metadata.get("max_staleness")}
+    for param, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidRequest(f"{param} must be a whole number of versions, 0 or more", param=param)
+    field, nested = values["max_staleness"], values["metadata.max_staleness"]
+    if field is not None and nested is not None and field != nested:
+        raise InvalidRequest("max_staleness and metadata.max_staleness differ; send one", param="max_staleness")
+    return metadata if field is None else {**metadata, "max_staleness": field}
+
+
 def _flag(value: str | None, param: str) -> bool | None:
     if value is None:
         return None
@@ -101,10 +115,36 @@ def _limit(value: str | None) -> int | None:
     return limit
 
 
-def _rows_response(trees: list[SessionTree], fmt_name: str, output: str) -> Response:
+def _lag(max_lag: str | None, lag_mode: str | None, current: int, fmt: str | None) -> LagWindow | None:
+    """An export's `max_lag` (tokens sampled under a version older than `current - max_lag` are too
+    old) and `lag_mode` (`drop` the sample, the default, or `mask` those tokens out of the loss),
+    checked before anything is read: a bad value is a 400, never a half-written export."""
+    if max_lag is None:
+        if lag_mode is not None:
+            raise InvalidRequest("lag_mode needs max_lag", param="lag_mode")
+        return None
+    try:
+        lag = int(max_lag)
+    except ValueError:
+        lag = -1
+    if lag < 0:
+        raise InvalidRequest("max_lag must be a whole number of versions, 0 or more", param="max_lag")
+    mode: LagMode
+    if lag_mode is None or lag_mode == "drop":
+        mode = "drop"
+    elif lag_mode == "mask":
+        mode = "mask"
+    else:
+        raise InvalidRequest("lag_mode must be drop or mask", param="lag_mode")
+    if mode == "mask" and fmt not in (None, "tokentape", "verifiers"):
+        raise InvalidRequest("lag_mode mask needs a per-token mask: format tokentape or verifiers", param="lag_mode")
+    return LagWindow(current, lag, mode)
+
+
+def _rows_response(trees: list[SessionTree], fmt_name: str, output: str, lag: LagWindow | None = None) -> Response:
     fmt = check_format(fmt_name)
     _output(output)
-    rows = format_rows(samples_of(trees), fmt)
+    rows = format_rows(samples_of(trees), fmt, lag=lag)
     if output == "jsonl":
         return Response(to_jsonl_bytes(rows), media_type="application/x-ndjson")
     if output == "parquet":
@@ -155,7 +195,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         session_id = _optional_str(data, "session_id")
         policy = _optional_str(data, "rewrite_policy")
         group_id = _optional_str(data, "group_id")
-        metadata = _metadata(data)
+        metadata = _max_staleness(data, _metadata(data))
         if session_id is not None and await sessions.exists(check_session_id(session_id)):
             raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         reward = data.get("reward")
@@ -217,17 +257,29 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         return session.summary()
 
     @app.get("/sessions/{session_id}/export")
-    async def export(session_id: str, format: str | None = None, output: str = "json", texts: bool = False) -> Response:
-        """One session. Without `format`: the native export; `texts=true` adds each token's text."""
+    async def export(
+        session_id: str,
+        format: str | None = None,
+        output: str = "json",
+        texts: bool = False,
+        max_lag: str | None = None,
+        lag_mode: str | None = None,
+    ) -> Response:
+        """One session. Without `format`: the native export; `texts=true` adds each token's text.
+        `max_lag` (with `lag_mode` drop or mask) filters against the gateway's current version."""
+        lag = _lag(max_lag, lag_mode, gateway.gate.version, format and check_format(format))
         tree = (await sessions.get(session_id)).tree
         if format is None:
             exported = export_session(tree)
+            if lag is not None:
+                kept = (lag_filter(b, lag.current, lag.max_lag, lag.mode) for b in exported["branches"])
+                exported["branches"] = [b for b in kept if b is not None]
             if texts:
                 tokenizer = gateway.renderer.tokenizer
                 for branch in exported["branches"]:
                     branch["token_texts"] = [tokenizer.decode_all([t]) for t in branch["tokens"]]
             return json_response(exported)
-        return _rows_response([tree], format, output)
+        return _rows_response([tree], format, output, lag)
 
     @app.get("/view", response_class=HTMLResponse)
     async def view() -> str:
@@ -243,10 +295,12 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         since: str | None = None,
         until: str | None = None,
         prefix: str | None = None,
+        max_lag: str | None = None,
+        lag_mode: str | None = None,
     ) -> Response:
         """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise;
         outputs: json, jsonl, parquet), filtered by group, finished state, creation time and session
-        id prefix."""
+        id prefix, and by `max_lag` (`lag_mode` drop or mask) against the gateway's current version."""
         where = SessionFilter(
             group_id=group_id,
             finished=_flag(finished, "finished"),
@@ -255,8 +309,9 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
             prefix=prefix,
         )
         fmt, out = check_format(format), _output(output)
+        lag = _lag(max_lag, lag_mode, gateway.gate.version, fmt)
         skipped: list[StoredSession] = []
-        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped)
+        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped, lag=lag)
         return StreamingResponse(encode_dataset(pages, fmt, out, skipped), media_type=MEDIA_TYPES[out])
 
     @app.delete("/sessions/{session_id}")

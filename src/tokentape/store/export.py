@@ -22,6 +22,7 @@ import orjson
 from tokentape.core.export import EXPORT_SCHEMA_VERSION
 from tokentape.core.formats import Format, format_rows, samples_of
 from tokentape.core.session import SessionTree
+from tokentape.core.staleness import LagWindow
 from tokentape.store.scan import SessionFilter, StoredSession
 
 if TYPE_CHECKING:
@@ -51,11 +52,11 @@ async def _trees(scan: AsyncIterator[StoredSession], skipped: list[StoredSession
 
 
 async def dataset_pages(
-    scan: Scan, where: SessionFilter, fmt: Format, skipped: list[StoredSession]
+    scan: Scan, where: SessionFilter, fmt: Format, skipped: list[StoredSession], *, lag: LagWindow | None = None
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """The rows of a dataset, a page at a time, in the order of the sessions. Atropos rows are
     whole groups: the first session of a group brings its whole group (read with the group's own
-    filter), so a group is never split across pages."""
+    filter), so a group is never split across pages. `lag`: an export's max_lag (`format_rows`)."""
     page: list[SessionTree] = []
     emitted_groups: set[str] = set()
     async for tree in _trees(scan(where), skipped):
@@ -65,18 +66,18 @@ async def dataset_pages(
                 continue
             emitted_groups.add(group_id)
             if page:
-                yield format_rows(samples_of(page), fmt)
+                yield format_rows(samples_of(page), fmt, lag=lag)
                 page = []
             group_scan = scan(dataclasses.replace(where, group_id=group_id))
             members = [member async for member in _trees(group_scan, [])]
-            yield format_rows(samples_of(members), fmt)
+            yield format_rows(samples_of(members), fmt, lag=lag)
             continue
         page.append(tree)
         if len(page) >= SESSIONS_PER_PAGE:
-            yield format_rows(samples_of(page), fmt)
+            yield format_rows(samples_of(page), fmt, lag=lag)
             page = []
     if page:
-        yield format_rows(samples_of(page), fmt)
+        yield format_rows(samples_of(page), fmt, lag=lag)
 
 
 def _skipped_json(skipped: list[StoredSession]) -> bytes:

@@ -90,9 +90,11 @@ class UpdatableRemote(RemoteEngine):
         return reported
 
     def _check_kept_adapter(self, source: WeightSource, in_flight: InFlight, *, swaps_in_place: bool) -> None:
-        """A request paused in place (keep) goes on under the adapter it was sent with: refuse an update
-        that would change which adapter it should now run under, since its later tokens would be
-        labelled with the new version yet sampled under the old adapter (or none)."""
+        """Refuse keep where a request held in place by the engine would go on under an adapter other than
+        the one its later tokens are labelled with (a new adapter name, the first adapter, new base
+        weights under an adapter). Stricter than the gateway needs: it stops every generation before
+        the engine pauses and resubmits prompt + sampled tokens naming the current adapter, so no
+        request of its own is held in place; keep there only leaves the prefix cache undropped."""
         if in_flight != "keep":
             return
         if source.kind == "lora" and not (swaps_in_place and self.adapter is not None):
