@@ -162,3 +162,49 @@ def test_a_refused_weight_push_warns_and_training_goes_on_until_it_keeps_failing
             callback.on_step_end(None, types.SimpleNamespace(global_step=2), None, model=None)
     finally:
         _loop().run(local.aclose())
+
+
+def test_grpo_trainer_takes_a_step_whose_rows_did_not_fit(tmp_path: Path, hf_dir: Path) -> None:
+    """A real optimizer step on rows whose first request overflowed: taken without error, nothing
+    trained (no model token counted), the step's push made."""
+    f32 = f32_gguf(embedded_model_path())
+    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=256))
+    gateway = InProcessGateway(gateway=core, model=name)
+    long = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 40}]
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+    )
+    seen: dict[str, Any] = {}
+    rollout = rollout_func(two_turns, gateway)
+
+    def recording(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        seen.update(rollout(prompts, trainer))
+        return seen
+
+    callback = PushLora(gateway, tmp_path / "adapters")
+    trainer = trl.GRPOTrainer(
+        model=load_model(f32),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": [long, long]}),
+        processing_class=transformers.AutoTokenizer.from_pretrained(str(hf_dir)),
+        reward_funcs=[tape_reward],
+        rollout_func=recording,
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=sorted(LORA_TARGETS)),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert seen["tokentape_status"] == ["context_full", "context_full"]
+    assert seen["env_mask"] == [[0], [0]] and callback.pushed == [1]
+    (logged, *_) = trainer.state.log_history
+    assert logged["loss"] == 0.0 and logged["completions/mean_length"] == 0.0
+    _loop().run(gateway.aclose())
