@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLOAT_TYPES", "GGUF_MAGIC", "GGUFHeader", "TensorInfo", "read_header", "read_string", "read_value"]
+__all__ = [
+    "FLOAT_TYPES",
+    "GGUF_MAGIC",
+    "GGUFHeader",
+    "TensorInfo",
+    "read_header",
+    "read_metadata_values",
+    "read_string",
+    "read_value",
+]
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types: fixed-size scalars by struct format; 8 is a string, 9 an array
@@ -45,7 +54,10 @@ def read_header(path: Path, keys: frozenset[str]) -> GGUFHeader:
                 raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def _parse(data: mmap.mmap, keys: frozenset[str]) -> GGUFHeader:
+def read_metadata_values(data: mmap.mmap, keys: frozenset[str], *, whole: bool) -> tuple[dict[str, Any], int, int]:
+    """The values of `keys` in a GGUF header's metadata (versions 2 and 3), skipping every other value;
+    with the offset after the metadata and the tensor count. `whole=False` stops once every key is found
+    (the offset is then not the metadata's end)."""
     version, n_tensors, count = struct.unpack_from("<IQQ", data, 4)
     if version < 2:
         raise ValueError(f"GGUF version {version} is not supported")
@@ -57,6 +69,13 @@ def _parse(data: mmap.mmap, keys: frozenset[str]) -> GGUFHeader:
         value, offset = read_value(data, offset + 4, kind, keep=key in keys)
         if key in keys:
             found[key] = value
+            if not whole and len(found) == len(keys):
+                break
+    return found, offset, n_tensors
+
+
+def _parse(data: mmap.mmap, keys: frozenset[str]) -> GGUFHeader:
+    found, offset, n_tensors = read_metadata_values(data, keys, whole=True)
     tensors: dict[str, TensorInfo] = {}
     for _ in range(n_tensors):
         name, offset = read_string(data, offset)

@@ -15,14 +15,13 @@ file as numpy arrays, which takes seconds for a 49k-token vocabulary).
 from __future__ import annotations
 
 import mmap
-import struct
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from tokentape.engines.gguf_files import GGUF_MAGIC, read_string, read_value
+from tokentape.engines.gguf_files import GGUF_MAGIC, read_metadata_values
 
 __all__ = ["read_metadata", "fast_tokenizer", "PROBES"]
 
@@ -34,19 +33,10 @@ def read_metadata(path: Path, keys: frozenset[str]) -> dict[str, Any]:
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
-        version, _tensors, count = struct.unpack_from("<IQQ", data, 4)
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported")
-        offset = 24
-        found: dict[str, Any] = {}
-        for _ in range(count):
-            key, offset = read_string(data, offset)
-            (kind,) = struct.unpack_from("<I", data, offset)
-            value, offset = read_value(data, offset + 4, kind, keep=key in keys)
-            if key in keys:
-                found[key] = value
-                if len(found) == len(keys):
-                    break
+        try:
+            found, _offset, _tensors = read_metadata_values(data, keys, whole=False)
+        except ValueError as exc:  # an unsupported version
+            raise ValueError(f"{path}: {exc}") from None
         return found
 
 
