@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokentape.core.versions import node_versions
+from tokentape.core.versions import parse_version, token_versions
 
 __all__ = [
     "GroupAdmission",
@@ -52,8 +52,8 @@ def session_bound(metadata: dict[str, Any]) -> int | None:
 def first_version(nodes: Sequence[Any]) -> int | None:
     """The version of a session's first sampled token (turns in the order recorded); None if unknown."""
     for node in nodes:
-        if node.sampled:
-            return node_versions(node)[0]
+        if node.sampled:  # the version of its first token alone (not one per token of the turn)
+            return token_versions(node.policy_spans, 1, default=parse_version(node.policy_version))[0]
     return None
 
 

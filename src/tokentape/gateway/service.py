@@ -293,7 +293,8 @@ class Gateway:
         tree = session.tree
         own = session_bound(tree.outcome.metadata)  # set per session at creation
         limit = self.staleness.max_staleness if own is None else own
-        first = first_version(tree.nodes)
+        # no bound (the default): no need to look for the session's first version on every request
+        first = None if limit is None else first_version(tree.nodes)
         if is_stale(first, self.gate.version, limit):
             if tree.outcome.metadata.get("stale") is not True:
                 tree.outcome.metadata["stale"] = True
