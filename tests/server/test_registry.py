@@ -42,7 +42,6 @@ async def test_each_entry_makes_every_table(gateway: Gateway, dialect: type[Dial
     body = orjson.dumps({"session_id": "named-in-body"})
     assert session_of(HttpRequest("POST", dialect.path, body=body)) == "named-in-body"
     # a session key may call it, at the root and under its own base URL, and it counts as generation
-    # (auth's list cannot import the registry, which imports the routes that import auth: kept equal here)
     assert frozenset(PATHS) == GENERATION_ROUTES
     assert decide(Kind.SESSION, dialect.path, key_session="s") is None
     assert decide(Kind.SESSION, "/sessions/s" + dialect.path, key_session="s") is None

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.updates import parse_update
-from tokentape.server.sessions_api import json_object
+from tokentape.server.bodies import json_object
 
 __all__ = ["add_admin_routes"]
 

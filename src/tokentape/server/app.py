@@ -24,6 +24,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
+from tokentape.server.bodies import json_object
 from tokentape.server.dialects.registry import DIALECTS
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
@@ -32,7 +33,7 @@ from tokentape.server.keys import SessionKeys
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokentape.server.serving import DialectContext, Serving
-from tokentape.server.sessions_api import add_session_routes, json_object
+from tokentape.server.sessions_api import add_session_routes
 
 __all__ = ["GatewayApp", "create_app"]
 

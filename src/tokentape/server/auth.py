@@ -30,6 +30,7 @@ import orjson
 
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
+from tokentape.server.dialects.registry import PATHS
 
 __all__ = [
     "GENERATION_ROUTES",
@@ -51,9 +52,7 @@ _SECRET_CHARS = 43  # len(secrets.token_urlsafe(32))
 _TAIL = _SECRET_CHARS + 1  # "." + secret
 
 # The routes that sample (the per-key limit and `--session-keys required` are about these).
-GENERATION_ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate"}
-)
+GENERATION_ROUTES = frozenset(PATHS)  # every dialect's route
 # What a session key may call, at the root or under its session's base URL.
 SESSION_KEY_ROUTES = GENERATION_ROUTES | {"/v1/tokenize", "/v1/detokenize", "/v1/models", "/v1/health"}
 _GENERATION_SUFFIXES = tuple(GENERATION_ROUTES)

@@ -27,9 +27,9 @@ from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
+from tokentape.server.bodies import json_object
 from tokentape.server.dialects.common import Caller, WireRequest
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
-from tokentape.server.sessions_api import json_object
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 

@@ -21,6 +21,7 @@ from tokentape.core.staleness import LagMode, LagWindow, lag_filter
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import check_policy, check_session_id
+from tokentape.server.bodies import json_object
 from tokentape.server.errors import json_response
 from tokentape.server.keys import SessionKeys
 from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
@@ -28,24 +29,9 @@ from tokentape.store.export import MEDIA_TYPES, OUTPUTS, Output, dataset_pages, 
 from tokentape.store.scan import SessionFilter, StoredSession, decode_cursor, encode_cursor
 from tokentape.viewer import page
 
-__all__ = ["add_session_routes", "json_object"]
+__all__ = ["add_session_routes"]
 
 MAX_PAGE = 1000  # sessions per page of GET /sessions: each is loaded to summarize it
-
-
-async def json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
-    body = await request.body()
-    if not body.strip():
-        if optional:
-            return {}
-        raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        data = orjson.loads(body)  # rejects lone surrogates, which would break templates later
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    return data
 
 
 def _optional_str(data: dict[str, Any], key: str) -> str | None:

@@ -1,10 +1,9 @@
 """Every dialect the gateway speaks, in one list. Everything that depends on which routes exist is
 built from it: the lean path's table and FastAPI's routes and schema (`server.app`), the error shape
-of an answer given before any route runs (`shape_for_path`), and the routes whose body may name the
-session for Ray's hand-off (`ray.routing`). A new API family is one module in this package (a
-`Dialect` subclass with its path, request model and error shape) and one entry here, and its path in
-`server.auth.GENERATION_ROUTES` (what a session key may call; auth cannot import this module, which
-imports the routes that import auth: a test keeps the two equal)."""
+of an answer given before any route runs (`shape_for_path`), the routes whose body may name the
+session for Ray's hand-off (`ray.routing`) and what a session key may call (`server.auth`). A new API
+family is one module in this package (a `Dialect` subclass with its path, request model and error
+shape) and one entry here."""
 
 from __future__ import annotations
 
