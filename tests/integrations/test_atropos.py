@@ -17,8 +17,11 @@ from atroposlib.envs.server_handling.server_baseline import ServerBaseline
 
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
+from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
 from tokentape.integrations.atropos import TokentapeServerManager, scored_data_group
+from tokentape.render.renderer import Renderer
 
 GROUP = "colours-0"
 
@@ -141,12 +144,21 @@ class ReplayServer:
 
 
 async def test_atroposlibs_own_managed_server_doubles_the_close_where_tokentape_does_not(
-    gateway: Gateway, hf_dir: Path
+    renderer: Renderer, hf_dir: Path
 ) -> None:
     """The same episode and the same sampled tokens through atroposlib's ManagedServer: its text
-    matching re-renders the end-of-turn token the model already sampled."""
+    matching re-renders the end-of-turn token the model already sampled. The engine is scripted so
+    that one choice samples its close and the other is cut by max_tokens, on any machine."""
     hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     item = {"question": "Name a colour.", "follow_up": "Now name another one."}
+    (close,) = hf.encode("<|im_end|>", add_special_tokens=False)
+    engine = ScriptedEngine([], close)
+    words = renderer.tokenizer.encode
+    engine.push([*words("Red."), close])  # choice 0 ends on the close it sampled
+    engine.push(words(" ".join(["Blue, like the sky and the deep sea"] * 4)))  # choice 1: cut by max_tokens
+    engine.push([*words("Green."), close])
+    engine.push([*words("Yellow."), close])
+    gateway = Gateway(engine, renderer, SessionRegistry())
     local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
     try:
         async with TokentapeServerManager(local).managed_server(tokenizer=hf) as ours:
@@ -159,7 +171,6 @@ async def test_atroposlibs_own_managed_server_doubles_the_close_where_tokentape_
     await two_turns(theirs, item, 2)
     their_nodes = theirs.get_state()["nodes"]
 
-    (close,) = hf.encode("<|im_end|>", add_special_tokens=False)
     first = replies[0]
     assert server.prompts[0] == first.prompt_token_ids  # the first prompt is the same render
     assert len(their_nodes) == len(our_nodes) == 2
@@ -176,4 +187,4 @@ async def test_atroposlibs_own_managed_server_doubles_the_close_where_tokentape_
             assert their_bridge == our_bridge
         # the masks agree on what was sampled; only the extra close differs
         assert [t for t in their_node.masked_tokens if t != -100] == [t for t in ours_node.masked_tokens if t != -100]
-    assert any(c.token_ids[-1] == close for c in first.choices), "no choice ended on its close: nothing compared"
+    assert sorted(c.finish_reason for c in first.choices) == ["length", "stop"]  # both cases compared
