@@ -44,11 +44,20 @@ async def plain_episode(client: openai.AsyncOpenAI, model: str, question: str) -
     return 3
 
 
+# An answer that cannot fit in 6 tokens: the first reply is cut by max_tokens whatever the CPU's rounding.
+LONG_ANSWER = "Count from one to fifty in words, separated by commas."
+
+
 async def truncated_episode(client: openai.AsyncOpenAI, model: str, question: str) -> int:
-    """The first reply is cut by max_tokens; the gateway bridges its missing turn close."""
-    messages: list[Any] = [{"role": "user", "content": question}]
-    reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0.7)
-    assert reply.choices[0].finish_reason == "length"
+    """The first reply is cut by max_tokens; the gateway bridges its missing turn close. The question
+    asks for more than 6 tokens; a sample that still ends early is drawn again (a sibling branch)."""
+    for _ in range(8):
+        messages: list[Any] = [{"role": "user", "content": f"{question} {LONG_ANSWER}"}]
+        reply = await client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0.7)
+        if reply.choices[0].finish_reason == "length":
+            break
+    else:
+        raise RuntimeError("8 samples in a row ended within 6 tokens: the model does not follow the question")
     messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
     messages += [{"role": "user", "content": "Please finish your answer."}]
     await client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0.7)
