@@ -19,6 +19,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from tokentape.version import VERSION
+
+        typer.echo(f"tokentape {VERSION}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """tokentape: an OpenAI-compatible gateway that records every sampled token for RL training."""
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind. Keep 127.0.0.1 unless the network is trusted.")] = (
