@@ -49,10 +49,10 @@ typecheck: setup  ## mypy, strict on src/
 	$(VENV)/bin/mypy
 
 docs: setup  ## build the documentation site into site/ (strict: a broken link or a missing page fails)
-	$(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 docs-serve: setup  ## the documentation site on http://127.0.0.1:8001, rebuilt on every edit
-	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 unit: setup browser  ## the tests alone
 	$(PY) -m pytest --ignore=tests/ray
