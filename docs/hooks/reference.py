@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 
-
 def _cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
