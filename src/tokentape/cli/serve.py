@@ -1,0 +1,215 @@
+"""`tokentape serve`: the gateway, on one process or as gateway actors on Ray."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tokentape.cli.root import app
+from tokentape.gateway.sessions import REWRITE_POLICIES, check_policy
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind. Keep 127.0.0.1 unless the network is trusted.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    model: Annotated[
+        Path | None, typer.Option(help="A GGUF model file. Default: the embedded SmolLM2-135M-Instruct.")
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A remote engine as KIND=URL (vllm, vllm-generate, sglang); repeat for several. "
+            "Sessions stick to one engine; new ones go to the least loaded."
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Hugging Face model directory (tokenizer.json + chat template) to render and "
+            "tokenize with, instead of the GGUF's own; its vocabulary must fit the engine's."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model name clients send. Default: derived from the model file.")
+    ] = None,
+    context_length: Annotated[int, typer.Option(help="Context window in tokens (prompt + generation).")] = 8192,
+    threads: Annotated[
+        int, typer.Option(help="CPU threads for the embedded engine. 0: all cores but one (ggml busy-waits).")
+    ] = 0,
+    rewrite_policy: Annotated[
+        str,
+        typer.Option(
+            help=f"What to do when a request rewrites recorded history ({', '.join(REWRITE_POLICIES)}): "
+            "tape keeps the recorded tokens, fork starts a new branch, strict rejects the request."
+        ),
+    ] = "tape",
+    store: Annotated[
+        str, typer.Option(help="SQLite file every turn is written to before it is answered; ':memory:' keeps none.")
+    ] = "tokentape.sqlite3",
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A trainer key (repeat for several; also TOKENTAPE_API_KEYS, comma-separated): allowed "
+            "every route. Every route but /health then needs a key. Agents get their own session's key "
+            "from POST /sessions (api_key), which reaches only that session's generation routes."
+        ),
+    ] = None,
+    session_keys: Annotated[
+        str,
+        typer.Option(
+            help="optional: generation may go without a session key (as trainer keys and open mode allow); "
+            "required: every generation request needs a session key."
+        ),
+    ] = "optional",
+    max_in_flight_per_key: Annotated[
+        int | None,
+        typer.Option(min=1, help="Requests one session key may have running at once (429 with Retry-After past it)."),
+    ] = None,
+    max_active: Annotated[
+        int,
+        typer.Option(
+            "--max-active",
+            "--max-waiting",  # its earlier name
+            help="Requests admitted at once (the tokentape_requests_active gauge); more get 429 with Retry-After.",
+        ),
+    ] = 64,
+    max_sessions_in_memory: Annotated[
+        int, typer.Option(help="Sessions kept in memory (all stay in the store and reload on use).")
+    ] = 10_000,
+    idle_seconds: Annotated[float, typer.Option(help="A session idle this long leaves memory.")] = 3600.0,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
+    drain_seconds: Annotated[
+        int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
+    ] = 30,
+    match_prefix: Annotated[
+        bool,
+        typer.Option(
+            help="A chat request that names no session continues the one live session whose history it "
+            "extends; several candidates or an edited history open a new session (response header "
+            "X-Tokentape-Prefix-Match says which)."
+        ),
+    ] = False,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            help="A session whose first sampled token is more than this many weights versions old takes no "
+            "new turns (409 session_stale; its data stays exportable, marked stale). A session's own "
+            'max_staleness (POST /sessions {"max_staleness": K}) overrides it.'
+        ),
+    ] = None,
+    admit_per_version: Annotated[
+        int | None,
+        typer.Option(
+            help="Admit new groups (sessions of one group_id) only while at most (max_staleness + version + 1) "
+            "x this many were admitted since version 0; others get 429 with Retry-After."
+        ),
+    ] = None,
+    admission_wait: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="With --admit-per-version: a new group that does not fit waits up to this many seconds for a "
+            "weights update to make room before its 429 (0: refused at once).",
+        ),
+    ] = 0.0,
+    log_level: Annotated[str, typer.Option(help="Log level: debug, info, warning, error.")] = "info",
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run gateways as Ray actors: 'local' (a single-machine Ray on loopback), 'auto' (the cluster "
+            "this machine joined with `ray start`) or a Ray address. This process then serves the same API "
+            "on --port and hands each request to the gateway that owns its session."
+        ),
+    ] = None,
+    gateways: Annotated[int, typer.Option(help="With --ray: gateway actors (gateway i serves on --port + 1 + i).")] = 2,
+    store_dir: Annotated[
+        str, typer.Option(help="With --ray: where each gateway keeps its store shard on its node.")
+    ] = "tokentape-shards",
+    trajectory_queue: Annotated[
+        str | None,
+        typer.Option(help="With --ray: hand every finished session to this queue (tokentape.ray.trajectories)."),
+    ] = None,
+) -> None:
+    """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
+    import os
+
+    import uvicorn
+
+    from tokentape.gateway.sessions import MemoryLimits
+    from tokentape.runtime import RuntimeSettings, build_gateway
+    from tokentape.server.app import create_app
+    from tokentape.server.middleware import GuardSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = RuntimeSettings(
+        model_path=model,
+        tokenizer_dir=tokenizer,
+        engines=tuple(engine or ()),
+        context_length=context_length,
+        threads=threads,
+        rewrite_policy=check_policy(rewrite_policy),
+        served_model_name=served_model_name,
+        store_path=store,
+        max_active=max_active,
+        memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
+        match_prefix=match_prefix,
+    )
+    keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
+    if session_keys not in ("optional", "required"):
+        raise typer.BadParameter("optional or required", param_hint="--session-keys")
+    guard = GuardSettings(
+        api_keys=keys,
+        max_body_bytes=max_body_bytes,
+        require_session_keys=session_keys == "required",
+        max_in_flight_per_key=max_in_flight_per_key,
+    )
+    staleness = None
+    if max_staleness is not None or admit_per_version is not None:
+        from tokentape.core.staleness import Staleness
+
+        staleness = Staleness(max_staleness, admit_per_version, admission_wait)
+    if ray is not None:
+        from tokentape.ray.cluster import ClusterSettings, serve_cluster
+
+        cluster = ClusterSettings(
+            gateways=gateways,
+            host=host,
+            first_port=port + 1,
+            store_dir=store_dir,
+            runtime=settings,
+            model_id=served_model_name,
+            trajectory_queue=trajectory_queue,
+            guard=guard,
+            staleness=staleness,
+        )
+        serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
+        return
+    gateway, name = build_gateway(settings)
+    if staleness is not None:
+        gateway.set_staleness(staleness)
+    typer.echo(
+        f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
+        f"(sessions: /sessions/<id>/v1; store: {store}"
+        f"{'; API keys required' if keys else ''})",
+        err=True,
+    )
+    uvicorn.run(
+        create_app(gateway, model_id=name, guard=guard, owns_gateway=True, serving_process=True),
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        # libuv's event loop and llhttp's parser: less CPU per request than asyncio + h11. httptools
+        # sets no header limit of its own, so oversized headers reach the app, which answers 431.
+        loop="uvloop",
+        http="httptools",
+        proxy_headers=False,  # nothing reads the client address; one ASGI layer less per request
+        # below info an access line is never shown, yet uvicorn formats its fields for every request
+        access_log=log_level.lower() in ("debug", "info"),
+        timeout_graceful_shutdown=drain_seconds,
+    )

@@ -1,0 +1,56 @@
+"""The site builds strictly (a broken link, anchor or missing page fails), its generated reference is in
+it, a reader gets from the home page to the TRL guide, and the README's links lead somewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = {"docs/reference/cli.md", "docs/reference/http.md", "docs/reference/export.md"}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out
+
+
+def test_the_generated_reference_is_in_the_site(site: Path) -> None:
+    cli = (site / "reference/cli/index.html").read_text()
+    http = (site / "reference/http/index.html").read_text()
+    export = (site / "reference/export/index.html").read_text()
+    assert "tokentape serve" in cli and "--max-staleness" in cli
+    assert "/v1/messages" in http and "AnthropicMessages dialect" in http
+    assert "turn_index" in export and "Schema version" in export
+    assert "InProcessGateway" in (site / "reference/python/index.html").read_text()  # mkdocstrings ran
+
+
+def test_train_with_trl_is_two_clicks_from_the_home_page(site: Path) -> None:
+    home = (site / "index.html").read_text()
+    assert re.search(r'href="guides/trl/"', home)  # one click from the home page's cards
+    assert (site / "guides/trl/index.html").exists()
+
+
+def test_every_relative_link_of_the_readme_exists() -> None:
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    relative = [link for link in links if "://" not in link]
+    assert len(relative) > 10
+    for link in relative:
+        assert (ROOT / link).exists() or link in GENERATED, link
