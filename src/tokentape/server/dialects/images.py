@@ -1,0 +1,172 @@
+"""Images as the dialects receive them: base64 `data:` URLs (chat completions' `image_url`, Responses'
+`input_image`), Anthropic's base64 `image` blocks. Each is checked here, before anything is recorded:
+decodable, of a supported type, within the size and count limits, and sent to a model that has
+vision. The part that fails is named in the 400. An http(s) URL is refused unless the operator
+allows fetching (`ImageLimits.allow_fetch`); then it is fetched by the serving layer before the call
+(`fetch_remote_images`), with the same limits.
+
+What comes out is the gateway's image part, `{"type": "image", "image": <digest>}`, and the decoded
+image under its digest in the intake.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokentape.core.images import IMAGE_PART, DecodedImage
+from tokentape.errors import InvalidRequest
+
+__all__ = ["IMAGE_TYPES", "ImageIntake", "ImageLimits"]
+
+# media type -> the format name Pillow gives it
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
+_FORMAT_TYPES = {fmt: media for media, fmt in IMAGE_TYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request may send. `max_pixels` bounds a decoded image (a small file can decode to an
+    enormous bitmap); `allow_fetch` lets http(s) image URLs be fetched by the gateway."""
+
+    max_bytes: int = 10 * 1024 * 1024
+    max_images: int = 16
+    max_pixels: int = 4096 * 4096
+    allow_fetch: bool = False
+
+
+class ImageIntake:
+    """The images of one request, checked as they are parsed."""
+
+    def __init__(self, limits: ImageLimits, *, vision: bool, model: str = "this model") -> None:
+        self.limits = limits
+        self.vision = vision
+        self.model = model
+        self.images: dict[str, DecodedImage] = {}
+        self.count = 0
+
+    def url(self, url: Any, where: str) -> dict[str, Any]:
+        """An `image_url` (a `data:` URL with base64 content)."""
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest(f"{where}: the image URL must be a non-empty string", param=where)
+        if url.startswith(("http://", "https://")):
+            self._check_vision(where)
+            raise InvalidRequest(
+                f"{where}: image URLs are not fetched by this gateway; send the image inline as a base64 "
+                "data: URL (data:image/png;base64,...)",
+                param=where,
+                code="image_url_not_allowed",
+            )
+        if not url.startswith("data:"):
+            raise InvalidRequest(f"{where}: the image URL must be a data: URL", param=where)
+        head, comma, payload = url[5:].partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise InvalidRequest(f"{where}: the data: URL must be base64 (data:image/png;base64,...)", param=where)
+        return self.base64(head[: -len(";base64")], payload, where)
+
+    def base64(self, media_type: Any, data: Any, where: str) -> dict[str, Any]:
+        """Base64 image bytes of a declared media type."""
+        self._check_vision(where)
+        if media_type not in IMAGE_TYPES:
+            raise InvalidRequest(
+                f"{where}: images of type {media_type!r} are not supported (use {', '.join(IMAGE_TYPES)})",
+                param=where,
+                code="unsupported_image_type",
+            )
+        if not isinstance(data, str):
+            raise InvalidRequest(f"{where}: the image data must be a base64 string", param=where)
+        if len(data) * 3 // 4 > self.limits.max_bytes:
+            raise self._too_large(where)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequest(f"{where}: the image data is not valid base64", param=where) from exc
+        return self.raw(raw, where)
+
+    def raw(self, raw: bytes, where: str) -> dict[str, Any]:
+        """Image bytes, whatever their declared type: what they decode to decides."""
+        self._check_vision(where)
+        self.count += 1
+        if self.count > self.limits.max_images:
+            raise InvalidRequest(
+                f"{where}: a request may hold at most {self.limits.max_images} images",
+                param=where,
+                code="too_many_images",
+            )
+        if len(raw) > self.limits.max_bytes:
+            raise self._too_large(where)
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest not in self.images:
+            self.images[digest] = self._decode(raw, digest, where)
+        return {"type": IMAGE_PART, IMAGE_PART: digest}
+
+    def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(raw)) as image:
+                    fmt, (width, height) = image.format, image.size
+                    if width * height > self.limits.max_pixels:
+                        raise InvalidRequest(
+                            f"{where}: the image is {width}x{height} pixels; at most {self.limits.max_pixels:,} "
+                            "pixels are accepted",
+                            param=where,
+                            code="image_too_large",
+                        )
+                    image.load()  # decode it all: a truncated or corrupt file fails here, not in the processor
+        except InvalidRequest:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(
+                f"{where}: the image cannot be decoded ({type(exc).__name__})", param=where, code="invalid_image"
+            ) from exc
+        media_type = _FORMAT_TYPES.get(fmt or "")
+        if media_type is None:
+            raise InvalidRequest(
+                f"{where}: images in {fmt} format are not supported (use {', '.join(IMAGE_TYPES)})",
+                param=where,
+                code="unsupported_image_type",
+            )
+        return DecodedImage(digest, raw, media_type, width, height)
+
+    def _too_large(self, where: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"{where}: an image may be at most {self.limits.max_bytes:,} bytes",
+            param=where,
+            code="image_too_large",
+        )
+
+    def _check_vision(self, where: str) -> None:
+        if not self.vision:
+            raise InvalidRequest(
+                f"{where}: {self.model} has no vision; images need a vision-language model served with its "
+                "processor (a Qwen2-VL model directory behind a vLLM engine)",
+                param=where,
+                code="images_not_supported",
+            )
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def joined(parts: list[Mapping[str, Any]]) -> str | list[Mapping[str, Any]]:
+    """Content as the chat template gets it: one string when it is all text, else the parts (adjacent
+    texts joined)."""
+    if all(p.get("type") == "text" for p in parts):
+        return "".join(str(p.get("text", "")) for p in parts)
+    out: list[Mapping[str, Any]] = []
+    for part in parts:
+        if part.get("type") == "text" and out and out[-1].get("type") == "text":
+            out[-1] = text_part(str(out[-1].get("text", "")) + str(part.get("text", "")))
+        else:
+            out.append(part)
+    return out
