@@ -30,6 +30,7 @@ __all__ = [
     "export_session",
     "common_logprob_mode",
     "image_fields",
+    "verl_multi_modal",
 ]
 
 EXPORT_SCHEMA_VERSION = 2  # 2: the per-token `turns` (a position, not an id) is named `turn_index`
@@ -53,6 +54,17 @@ def image_fields(branch: BranchView, images: Mapping[str, DecodedImage]) -> dict
         "images": [data_url(images[run.digest]) for run in branch.images],
         "image_grid_thw": [list(run.grid) for run in branch.images],
         "image_runs": [{"digest": run.digest, "start": run.start, "end": run.end} for run in branch.images],
+    }
+
+
+def verl_multi_modal(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An exported row's images in verl's terms (`AgentLoopOutput.multi_modal_data` and the processor
+    outputs its trainer reads); empty for a row without images."""
+    if not row.get("images"):
+        return {}
+    return {
+        "multi_modal_data": {"image": list(row["images"])},
+        "multi_modal_inputs": {"image_grid_thw": [list(g) for g in row["image_grid_thw"]]},
     }
 
 
