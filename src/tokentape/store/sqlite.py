@@ -323,6 +323,15 @@ class SqliteStore:
         return self._write(lambda db: None, "flush")
 
     # -- reads ---------------------------------------------------------------------------------------
+    async def image_stats(self) -> dict[str, int]:
+        """How many distinct images the store holds, and their bytes."""
+
+        def count(db: sqlite3.Connection) -> dict[str, int]:
+            images, size = db.execute("SELECT count(*), coalesce(sum(length(data)), 0) FROM images").fetchone()
+            return {"images": int(images), "bytes": int(size)}
+
+        return await self._read(count, "count images")
+
     async def load(self, session_id: str) -> SessionTree | None:
         """The stored session, None if there is none (or it was deleted); raises `StoreFailure`
         (session_corrupt) if its rows cannot be read."""
