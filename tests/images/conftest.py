@@ -36,6 +36,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
 from tokentape.server.app import create_app
+from tokentape.server.dialects.images import ImageLimits
 from tokentape.store.sqlite import SqliteStore
 
 MODEL = "m"
@@ -153,13 +154,13 @@ class App:
 
 
 async def open_app(
-    renderer: Renderer, url: str, engine: Engine, store: Path, policy: str = "tape"
+    renderer: Renderer, url: str, engine: Engine, store: Path, limits: ImageLimits | None = None
 ) -> tuple[Gateway, httpx.AsyncClient]:
     router = Router([VLLMGenerateEngine(url)], vocab_size=renderer.tokenizer.vocab_size)
-    registry = SessionRegistry(policy, SqliteStore(store))  # type: ignore[arg-type]
+    registry = SessionRegistry("tape", SqliteStore(store))
     gateway = Gateway(router, renderer, registry)
     await gateway.start()
-    app = create_app(gateway, model_id=MODEL)
+    app = create_app(gateway, model_id=MODEL, image_limits=limits)
     return gateway, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokentape")
 
 
