@@ -200,3 +200,42 @@ async def test_the_embedded_engine_refuses_images_before_anything_is_recorded(
         assert "the embedded model has no vision" in response.json()["error"]["message"]
         export = await http.get("/sessions/embedded/export")
         assert export.status_code == 404 or export.json()["branches"] == [], export.text
+
+
+# -- image URLs, where the operator allows fetching --------------------------------------------------------
+async def test_allowed_image_urls_are_fetched_and_recorded_as_their_bytes(
+    vl_renderer: Renderer, fake: tuple[Engine, str], oracle: Oracle, tmp_path: Path
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from tests.support.fake_engines import serving
+
+    shot = png(RED, (50, 50))
+
+    async def screen(_: Any) -> Response:
+        return Response(shot, media_type="image/png")
+
+    engine, url = fake
+    gateway, http = await open_app(vl_renderer, url, engine, tmp_path / "f.db", ImageLimits(allow_fetch=True))
+    with serving(Starlette(routes=[Route("/screen.png", screen)])) as site:
+        async with http:
+            app = App(gateway, http, engine)
+            app.queue(oracle.answer("Red."))
+            blocks = [
+                {"type": "image", "source": {"type": "url", "url": f"{site}/screen.png"}},
+                {"type": "text", "text": "?"},
+            ]
+            await app.anthropic.messages.create(
+                model="m",
+                max_tokens=20,
+                messages=[{"role": "user", "content": blocks}],
+                extra_headers={"X-Session-ID": "fetched"},
+            )
+            (branch,) = (await app.export("fetched"))["branches"]
+            assert branch["images"] == [data_url(shot)]
+            gone = {"type": "image_url", "image_url": {"url": f"{site}/gone.png"}}
+            missing = await post(http, "fetch-missing", [{"role": "user", "content": [gone]}])
+            assert missing.status_code == 400 and "messages[0].content[0]" in missing.json()["error"]["message"]
+    await gateway.aclose()

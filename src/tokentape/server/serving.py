@@ -29,7 +29,7 @@ from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.bodies import json_object
 from tokentape.server.dialects.common import Caller, WireRequest
-from tokentape.server.dialects.images import ImageIntake, ImageLimits
+from tokentape.server.dialects.images import ImageIntake, ImageLimits, fetch_remote_images
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
@@ -111,6 +111,8 @@ class Serving:
         async def handle(request: Request) -> Response:
             use_error_shape(request, dialect.errors)
             raw = await json_object(request)
+            if dialect.context.image_limits.allow_fetch:  # the operator's choice: image URLs fetched here
+                await fetch_remote_images(raw, dialect.context.image_limits)
             try:
                 req = dialect.request_model.model_validate(raw)
             except pydantic.ValidationError as exc:
