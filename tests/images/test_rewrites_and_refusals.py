@@ -126,24 +126,22 @@ async def strict_limits(vl_renderer: Renderer, fake: tuple[Engine, str], tmp_pat
     await gateway.aclose()
 
 
-def wire(dialect: str, url: str, count: int = 1) -> tuple[str, dict[str, Any], str]:
-    """(route, body, the part's name) of a request whose image part is number 1 of its first message."""
+def wire(dialect: str, *urls: str) -> tuple[str, dict[str, Any], str]:
+    """(route, body, the first image part's name) of a request with a text part and then `urls`."""
     if dialect == "chat":
-        parts = [{"type": "text", "text": "See:"}, *[{"type": "image_url", "image_url": {"url": url}}] * count]
-        return (
-            "/v1/chat/completions",
-            {"model": "m", "messages": [{"role": "user", "content": parts}]},
-            "messages[0].content[1]",
-        )
+        parts = [{"type": "text", "text": "See:"}, *[{"type": "image_url", "image_url": {"url": u}} for u in urls]]
+        body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+        return "/v1/chat/completions", body, "messages[0].content[1]"
     if dialect == "responses":
-        parts = [{"type": "input_text", "text": "See:"}, *[{"type": "input_image", "image_url": url}] * count]
+        parts = [{"type": "input_text", "text": "See:"}, *[{"type": "input_image", "image_url": u} for u in urls]]
         return "/v1/responses", {"model": "m", "input": [{"role": "user", "content": parts}]}, "input[0].content[1]"
-    if url.startswith("data:"):
-        media, data = url[5:].split(";base64,")
-        source: dict[str, Any] = {"type": "base64", "media_type": media, "data": data}
-    else:
-        source = {"type": "url", "url": url}
-    blocks = [{"type": "text", "text": "See:"}, *[{"type": "image", "source": source}] * count]
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": "See:"}]
+    for url in urls:
+        if url.startswith("data:"):
+            media, data = url[5:].split(";base64,")
+            blocks.append({"type": "image", "source": {"type": "base64", "media_type": media, "data": data}})
+        else:
+            blocks.append({"type": "image", "source": {"type": "url", "url": url}})
     body = {"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": blocks}]}
     return "/v1/messages", body, "messages[0].content[1]"
 
@@ -155,8 +153,11 @@ async def test_bad_images_get_a_400_in_the_dialects_shape_and_change_nothing(
 ) -> None:
     app = strict_limits
     if fault == "too many":
-        route, body, part = wire(dialect, data_url(png(RED, (20, 20))), count=3)
-        part, code = part[:-3] + "[3]", "too_many_images"
+        same = data_url(png(RED, (20, 20)))  # sent twice: one image, within the limit of two
+        others = [data_url(png((i, 80, 80), (20, 20))) for i in (1, 2)]
+        route, body, part = wire(dialect, same, same, *others)
+        part = part[:-3] + "[4]"  # the third distinct image is the fourth part after the text
+        code = "too_many_images"
     else:
         url, code = FAULTS[fault]
         route, body, part = wire(dialect, url)

@@ -17,7 +17,9 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,7 @@ class ImageLimits:
     enormous bitmap); `allow_fetch` lets http(s) image URLs be fetched by the gateway."""
 
     max_bytes: int = 10 * 1024 * 1024
-    max_images: int = 16
+    max_images: int = 64  # distinct images: a screenshot the history repeats counts once
     max_pixels: int = 4096 * 4096
     allow_fetch: bool = False
 
@@ -53,7 +55,6 @@ class ImageIntake:
         self.vision = vision
         self.model = model
         self.images: dict[str, DecodedImage] = {}
-        self.count = 0
 
     def url(self, url: Any, where: str) -> dict[str, Any]:
         """An `image_url` (a `data:` URL with base64 content)."""
@@ -96,21 +97,27 @@ class ImageIntake:
     def raw(self, raw: bytes, where: str) -> dict[str, Any]:
         """Image bytes, whatever their declared type: what they decode to decides."""
         self._check_vision(where)
-        self.count += 1
-        if self.count > self.limits.max_images:
-            raise InvalidRequest(
-                f"{where}: a request may hold at most {self.limits.max_images} images",
-                param=where,
-                code="too_many_images",
-            )
         if len(raw) > self.limits.max_bytes:
             raise self._too_large(where)
         digest = hashlib.sha256(raw).hexdigest()
         if digest not in self.images:
-            self.images[digest] = self._decode(raw, digest, where)
+            if len(self.images) >= self.limits.max_images:
+                raise InvalidRequest(
+                    f"{where}: a request may hold at most {self.limits.max_images} distinct images",
+                    param=where,
+                    code="too_many_images",
+                )
+            known = _checked.get(digest, raw)
+            fits = known is not None and known.width * known.height <= self.limits.max_pixels
+            self.images[digest] = known if known is not None and fits else self._decode(raw, digest, where)
         return {"type": IMAGE_PART, IMAGE_PART: digest}
 
     def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+        image = self._decoded(raw, digest, where)
+        _checked.put(image)
+        return image
+
+    def _decoded(self, raw: bytes, digest: str, where: str) -> DecodedImage:
         from PIL import Image
 
         try:
@@ -156,6 +163,33 @@ class ImageIntake:
                 param=where,
                 code="images_not_supported",
             )
+
+
+class _Checked:
+    """Images decoded lately, by digest: agents send their whole history each turn, and a screenshot
+    checked once need not be decoded again (its bytes are the ones hashed, so the digest vouches)."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._facts: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # digest -> type, width, height
+        self._lock = threading.Lock()
+
+    def get(self, digest: str, raw: bytes) -> DecodedImage | None:
+        with self._lock:
+            facts = self._facts.get(digest)
+            if facts is None:
+                return None
+            self._facts.move_to_end(digest)
+        return DecodedImage(digest, raw, *facts)
+
+    def put(self, image: DecodedImage) -> None:
+        with self._lock:
+            self._facts[image.digest] = (image.media_type, image.width, image.height)
+            while len(self._facts) > self.size:
+                self._facts.popitem(last=False)
+
+
+_checked = _Checked()
 
 
 def _remote_urls(node: Any, where: str, found: list[tuple[dict[str, Any], str, str, str]]) -> None:
