@@ -147,12 +147,17 @@ def chat_messages(
         if role == "assistant":
             out.append(_assistant(blocks, where))
             continue
-        parts: list[Mapping[str, Any]] = []
+        texts: list[str] = []
+        parts: list[Mapping[str, Any]] | None = None  # text and images, once the message holds an image
         for j, block in enumerate(blocks):
             kind = block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
-                parts.append(text_part(block["text"]))
+                if parts is None:
+                    texts.append(block["text"])
+                else:
+                    parts.append(text_part(block["text"]))
             elif kind == "image":
+                parts = [text_part(text) for text in texts] if parts is None else parts
                 parts.append(_image(block, f"{where}.content[{j}]", images))
             elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
                 content = _tool_result(block.get("content"), f"{where}.content[{j}]", images)
@@ -161,8 +166,10 @@ def chat_messages(
                 raise InvalidRequest(
                     f"{where}.content[{j}]: blocks of type {kind!r} are not supported", param=f"{where}.content"
                 )
-        if parts:
+        if parts is not None:
             out.append({"role": "user", "content": joined(parts)})
+        elif texts:
+            out.append({"role": "user", "content": "".join(texts)})
     return out
 
 
