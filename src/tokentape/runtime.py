@@ -18,6 +18,7 @@ from tokentape.render.hf import load_model_dir
 from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
+from tokentape.render.vision import load_vision
 from tokentape.store.sqlite import SqliteStore
 
 __all__ = [
@@ -72,7 +73,9 @@ def gguf_renderer(path: Path) -> Renderer:
 
 def hf_renderer(directory: Path) -> Renderer:
     template, tokenizer = load_model_dir(directory)
-    return Renderer(template, tokenizer)
+    renderer = Renderer(template, tokenizer)
+    renderer.vision = load_vision(directory, tokenizer)
+    return renderer
 
 
 def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tuple[Gateway, str | None]:

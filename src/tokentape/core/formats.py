@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch
+from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch, image_fields
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagWindow
 from tokentape.core.tape import BranchView
@@ -91,7 +91,7 @@ def samples_of(trees: Iterable[SessionTree]) -> list[Sample]:
 
 def _tokentape(sample: Sample) -> dict[str, Any]:
     turn_rewards = sample.tree.outcome.turn_rewards
-    branch = export_branch(sample.branch)
+    branch = export_branch(sample.branch, sample.tree.images)
     row = {**sample.head(), **branch, "logprob_mode": common_logprob_mode(branch["logprob_modes"])}
     row["turn_rewards"] = [turn_rewards.get(node.id) for node in sample.branch.nodes]
     return row
@@ -105,6 +105,7 @@ def _openrlhf(sample: Sample) -> dict[str, Any]:
         "action_ranges": [list(r) for r in branch.action_ranges()],
         "rollout_log_probs": [0.0 if lp is None else lp for lp in branch.logprobs],
         "truncated": branch.leaf.finish_reason == "length",
+        **image_fields(branch, sample.tree.images),
     }
 
 
@@ -121,6 +122,7 @@ def _verifiers(sample: Sample) -> dict[str, Any]:
         "completion_mask": mask[split:],
         "completion_logprobs": [0.0 if lp is None else lp for lp in branch.logprobs[split:]],
         "is_truncated": branch.leaf.finish_reason == "length",
+        **image_fields(branch, sample.tree.images),
     }
 
 

@@ -30,6 +30,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # tokens the engine must not sample (a vision model's image placeholders): logit bias -100
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokentape.core.digests import ChainCache
+from tokentape.core.images import DecodedImage, ImageRun
 from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
@@ -65,6 +66,7 @@ class NewTurn:
     context: tuple[int, ...]
     context_origin: Origin
     rewrite: Rewrite | None
+    images: tuple[ImageRun, ...] = ()  # the runs of the images `context` brings, at path positions
 
 
 def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
@@ -86,6 +88,8 @@ class SessionTree:
         self.rewrites: list[Rewrite] = []
         self._by_chain: dict[bytes, TurnNode] = {}
         self._by_prompt_chain: dict[bytes, TurnNode] = {}
+        self._by_shape: dict[bytes, TurnNode] = {}  # turns by their history with images anonymous
+        self.images: dict[str, DecodedImage] = {}  # every image the session's turns hold, by digest
         self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
 
     # -- reading -----------------------------------------------------------------------------------
@@ -163,9 +167,11 @@ class SessionTree:
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
         policy_spans: tuple[PolicySpan, ...] = (),
+        shape_chain: bytes | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
-        `template_inputs` what else the template read (`messages.template_inputs`)."""
+        `template_inputs` what else the template read (`messages.template_inputs`), `shape_chain`
+        the messages with their images anonymous (requests with images only)."""
         if turn.parent is not None and same_inputs(turn.parent.template_inputs, template_inputs):
             template_inputs = turn.parent.template_inputs  # one copy per run of equal turns
         node = TurnNode(
@@ -191,6 +197,8 @@ class SessionTree:
             template_inputs=template_inputs,
             constrained=constrained,
             policy_spans=policy_spans,
+            images=turn.images,
+            shape_chain=None if shape_chain is None else chain_step(shape_chain, reply),
         )
         self.restore(node)
         return node
@@ -204,8 +212,20 @@ class SessionTree:
         self.nodes.append(node)
         self._by_chain.setdefault(node.chain, node)
         self._by_prompt_chain.setdefault(node.prompt_chain, node)
+        if node.shape_chain is not None:
+            self._by_shape.setdefault(node.shape_chain, node)
         if node.rewrite is not None and (not self.rewrites or self.rewrites[-1] != node.rewrite):
             self.rewrites.append(node.rewrite)
+
+    def locate_shape(self, shape_chains: Sequence[bytes]) -> tuple[TurnNode | None, int]:
+        """The deepest turn whose history equals the request's once images are anonymous, and how many
+        of the request's messages it covers (`shape_chains`: the chain hashes of those messages)."""
+        if not self._by_shape:
+            return None, 0
+        for i in range(len(shape_chains), 0, -1):
+            if (node := self._by_shape.get(shape_chains[i - 1])) is not None:
+                return node, i
+        return None, 0
 
     def turns_of_request(self, request: int) -> list[TurnNode]:
         """The turns (one per choice) the session's request number `request` produced."""
@@ -219,9 +239,19 @@ class SessionTree:
                 latest[node.request_key] = max(node.request, latest.get(node.request_key, 0))
         return latest
 
-    def fork_point(self, branch_end: TurnNode, tokens: Sequence[int]) -> tuple[TurnNode | None, int]:
-        """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens)."""
+    def fork_point(
+        self, branch_end: TurnNode, tokens: Sequence[int], runs: Sequence[ImageRun] = ()
+    ) -> tuple[TurnNode | None, int]:
+        """Where a fully rendered prompt leaves `branch_end`'s path: (parent node, shared tokens).
+        `runs`: the prompt's image runs; the same placeholder tokens for another image are a
+        difference too, so the paths part before the first image that is not the recorded one."""
         shared = common_prefix_length(path_tokens(branch_end), tokens)
+        if runs:
+            recorded = {(run.start, run.digest) for node in path(branch_end) for run in node.images}
+            for run in runs:
+                if run.start < shared and (run.start, run.digest) not in recorded:
+                    shared = run.start
+                    break
         parent: TurnNode | None = None
         for node in path(branch_end):
             if node.keep < shared:

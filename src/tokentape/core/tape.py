@@ -11,6 +11,7 @@ a child may extend after them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from array import array
@@ -18,13 +19,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokentape.core.images import ImageRun
 from tokentape.core.versions import PolicySpan
 
 __all__ = ["Origin", "Rewrite", "RewriteKind", "RewritePolicy", "TurnNode", "BranchView", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 RewritePolicy = Literal["tape", "fork", "strict"]
-RewriteKind = Literal["template", "assistant_edited"]
+RewriteKind = Literal["template", "assistant_edited", "image_changed"]
 
 
 class Origin(enum.IntEnum):
@@ -83,6 +85,7 @@ class TurnNode:
         "depth",
         "finish_reason",
         "id",
+        "images",
         "keep",
         "logprob_mode",
         "message_count",
@@ -94,6 +97,7 @@ class TurnNode:
         "request",
         "request_key",
         "rewrite",
+        "shape_chain",
         "template_inputs",
         "trace_id",
     )
@@ -123,6 +127,8 @@ class TurnNode:
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
         policy_spans: tuple[PolicySpan, ...] = (),
+        images: tuple[ImageRun, ...] = (),
+        shape_chain: bytes | None = None,
     ) -> None:
         if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
@@ -152,6 +158,11 @@ class TurnNode:
         # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
         # distribution's, not the policy's
         self.constrained = constrained
+        # the placeholder runs of the images its context brought, at their path positions
+        self.images = images
+        # chain hash of the request's messages and the reply with images anonymous (`images.masked_images`);
+        # None when the request had none. A request that matches it but not `chain` changed an image.
+        self.shape_chain = shape_chain
         self.children: list[TurnNode] = []
         self._context_length = len(context)
         self._sampled_length = len(sampled)
@@ -231,6 +242,7 @@ class BranchView:
     logprobs: list[float | None]
     turns: list[int]
     nodes: list[TurnNode]
+    images: list[ImageRun] = dataclasses.field(default_factory=list)  # each image's run, in path order
 
     @classmethod
     def of(cls, leaf: TurnNode) -> BranchView:
@@ -239,7 +251,9 @@ class BranchView:
         origins: list[Origin] = []
         logprobs: list[float | None] = []
         turns: list[int] = []
+        images: list[ImageRun] = []
         for node, limit in zip(nodes, _limits(nodes), strict=True):
+            images += [run for run in node.images if run.end <= limit]
             own = node.own_tokens(limit)
             context = max(0, min(limit, node.sampled_start) - node.keep)
             sampled = len(own) - context
@@ -248,7 +262,7 @@ class BranchView:
             logprobs += [None] * context
             logprobs += node._logprobs[:sampled].tolist()
             turns += [node.depth] * (context + sampled)
-        return cls(leaf, tokens.tolist(), origins, logprobs, turns, nodes)
+        return cls(leaf, tokens.tolist(), origins, logprobs, turns, nodes, images)
 
     @property
     def loss_mask(self) -> list[int]:

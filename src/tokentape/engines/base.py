@@ -6,9 +6,19 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from tokentape.core.images import DecodedImage, ImageRun
 from tokentape.core.sampling import SamplingParams
 
-__all__ = ["Constraint", "ConstraintKind", "Engine", "LogprobMode", "SampledToken", "logprob_mode"]
+__all__ = [
+    "Constraint",
+    "ConstraintKind",
+    "Engine",
+    "LogprobMode",
+    "PromptImage",
+    "SampledToken",
+    "logprob_mode",
+    "takes_images",
+]
 
 # What a recorded logprob is a log-probability under; the trainer's importance ratio is only right
 # when it recomputes the same thing.
@@ -33,6 +43,21 @@ class Constraint:
 
     kind: ConstraintKind
     value: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptImage:
+    """An image of a prompt: its bytes and where its placeholder run sits in the prompt's token IDs."""
+
+    run: ImageRun
+    image: DecodedImage
+
+
+def takes_images(engine: object) -> bool:
+    """Whether `engine` takes images with a prompt: an engine that does has `takes_images = True` and
+    a `generate` with an `images` keyword (a sequence of `PromptImage`). The Engine protocol leaves
+    it out so that text-only engines need not know about images."""
+    return bool(getattr(engine, "takes_images", False))
 
 
 @dataclass(frozen=True, slots=True)

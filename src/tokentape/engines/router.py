@@ -20,9 +20,9 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, SampledToken
+from tokentape.engines.base import Constraint, PromptImage, SampledToken, takes_images
 from tokentape.engines.remote import RemoteEngine
-from tokentape.errors import EngineFailure, EngineUnavailable, NotFound
+from tokentape.errors import EngineFailure, EngineUnavailable, InvalidRequest, NotFound
 
 __all__ = ["Router"]
 
@@ -31,6 +31,8 @@ REPROBE_INTERVAL = 1.0  # seconds between on-demand health probes when no engine
 
 
 class Router:
+    takes_images = True  # handed to the engine it places a generation on, if that one takes them
+
     def __init__(
         self,
         engines: Sequence[RemoteEngine],
@@ -130,6 +132,7 @@ class Router:
         session_id: str | None = None,
         constraint: Constraint | None = None,
         whole: bool = False,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         if not any(self._usable(e) for e in self.engines):
             await self._reprobe()
@@ -139,8 +142,18 @@ class Router:
             async with self._slot(engine):
                 produced = 0
                 try:
+                    extra: dict[str, Any] = {}
+                    if images:  # only engines that take images are given them
+                        if not takes_images(engine):
+                            raise InvalidRequest(
+                                f"the {engine.kind} engine at {engine.base_url} takes no images; serve the model "
+                                "behind vLLM's token route (--engine vllm-generate=URL)",
+                                param="messages",
+                                code="images_not_supported",
+                            )
+                        extra["images"] = images
                     stream = engine.generate(
-                        prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
+                        prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole, **extra
                     )
                     async with contextlib.aclosing(stream):
                         async for token in stream:

@@ -5,9 +5,10 @@ these events in its own wire format."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tokentape.core.images import DecodedImage
 from tokentape.core.messages import Message
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
@@ -31,6 +32,9 @@ class ChatCall:
     retry: bool = False  # an SDK retry (x-stainless-retry-count > 0): replay, never sample again
     trace_id: str | None = None  # a second session name the client sent, kept on its turns
     constraint: Constraint | None = None  # what the output must match (tool_choice, response_format)
+    images: Mapping[str, DecodedImage] = dataclasses.field(default_factory=dict)  # the request's, by digest
+    # its messages hold image parts (set by the dialect that parsed them): only then are images looked for
+    has_images: bool = False
 
 
 @dataclass(frozen=True, slots=True)

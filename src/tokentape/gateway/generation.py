@@ -38,7 +38,7 @@ from tokentape.core.sampling import SamplingParams
 from tokentape.core.tape import FinishReason
 from tokentape.core.text import StopStringFilter, TextAssembler
 from tokentape.core.versions import PolicySpan, add_span
-from tokentape.engines.base import Constraint, Engine, SampledToken
+from tokentape.engines.base import Constraint, Engine, PromptImage, SampledToken
 from tokentape.errors import EngineFailure
 from tokentape.gateway.calls import TextDelta
 from tokentape.gateway.versions import Pin, VersionGate
@@ -76,8 +76,11 @@ class ChoiceRun:
         on_engine_call: Callable[[], None],
         constraint: Constraint | None = None,
         streamed: bool = True,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         self.engine, self.tokenizer, self.index = engine, tokenizer, index
+        # the prompt's images: given to the engine only when there are some (`base.takes_images`)
+        self._engine_options: dict[str, Any] = {"images": images} if images else {}
         self.prompt, self.sampling, self.mode = prompt, sampling, mode
         self.stop_ids = stop_ids | frozenset(sampling.stop_token_ids)
         # the engine is told every token that ends the turn, so it stops there itself
@@ -213,6 +216,7 @@ class ChoiceRun:
                     session_id=self.session_id,
                     constraint=self.constraint,
                     whole=self.whole,
+                    **self._engine_options,
                 )
                 async with contextlib.aclosing(generation):
                     while True:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tokentape.core.images import ImageRun
 from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
-from tokentape.core.session import Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
+from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
 from tokentape.errors import InvalidRequest
+from tokentape.gateway import images
 from tokentape.gateway.calls import ChatCall
 from tokentape.gateway.generation import ReplyMode
 from tokentape.render.renderer import Renderer, RenderOptions
@@ -31,6 +34,8 @@ class Plan:
     prompt_length: int  # how many messages the request had
     reply_mode: ReplyMode | None = None  # None: raw completion text
     template_inputs: Mapping[str, Any] | None = None  # what the template read besides the messages
+    images: tuple[ImageRun, ...] = ()  # every image run of `prompt`, recorded ones and new ones
+    shape_chain: bytes | None = None  # the messages' chain with images anonymous (requests with images)
 
 
 class Planner:
@@ -43,8 +48,49 @@ class Planner:
             raise InvalidRequest("messages must not be empty", param="messages")
         chains = tree.digests.chains(call.messages)
         decision = plan_request(tree, call.messages, chains)
+        if call.has_images:  # text-only requests never come here
+            return await self._with_images(tree, call, decision, chains)
         if isinstance(decision, Fresh):
             return await self._fresh(tree, call, decision, chains[-1])
+        return await self._extend(tree, call, decision, chains)
+
+    async def _with_images(
+        self, tree: SessionTree, call: ChatCall, decision: Extend | Fresh, chains: Sequence[bytes]
+    ) -> Plan:
+        """A request whose messages hold images: planned as any other, each new image's placeholder
+        expanded once by the model's processor; a request that differs from a recorded history only
+        in an earlier image is a rewrite (`image_changed`) under the session's policy."""
+        vision = self.renderer.vision
+        if vision is None:
+            raise InvalidRequest("this model has no vision: images are not taken", param="messages")
+        shape = images.shape_chains(call.messages)
+        if isinstance(decision, Fresh) and decision.fork_from is None:
+            node, covered = tree.locate_shape(shape)
+            if node is not None:
+                rewrite = Rewrite(
+                    kind="image_changed",
+                    policy=tree.policy,
+                    at_message=images.first_image_message(call.messages, covered),
+                    at_token=None,
+                    detail="an image of the recorded history differs from the image that was sent",
+                )
+                decision = Extend(node, covered, rewrite) if settle_rewrite(rewrite) == "keep" else Fresh(node, rewrite)
+        known = ChainMap(dict(call.images), tree.images)
+        expand = images.Expansion(vision, known)
+        if isinstance(decision, Fresh):
+            plan = await self._fresh(tree, call, decision, chains[-1], expand)
+        else:
+            plan = await self._extend(tree, call, decision, chains, expand)
+        return dataclasses.replace(plan, shape_chain=shape[-1])
+
+    async def _extend(
+        self,
+        tree: SessionTree,
+        call: ChatCall,
+        decision: Extend,
+        chains: Sequence[bytes],
+        expand: images.Expansion | None = None,
+    ) -> Plan:
         node = decision.node
         bridge = await _render(
             _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]]),  # the anchor
@@ -66,27 +112,46 @@ class Planner:
                 detail=bridge.detail,
             )
             if settle_rewrite(rewrite) == "fork":
-                return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1])
-        turn = NewTurn(node, node.end, tuple(bridge.tokens), Origin.BRIDGE, rewrite)
+                return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1], expand)
+        tokens = bridge.tokens
+        runs: tuple[ImageRun, ...] = ()
+        recorded: tuple[ImageRun, ...] = ()
+        if expand is not None:  # the new messages' images, expanded once; the recorded ones stay as they are
+            expand.check_sampled(node)
+            tokens, runs = await expand(bridge.tokens, call.messages[decision.new_from :], node.end)
+            recorded = images.path_runs(node)
+        turn = NewTurn(node, node.end, tuple(tokens), Origin.BRIDGE, rewrite, runs)
         mode = self._reply_mode(call, bridge.opens_reasoning)
         prompt = node.path_array()
-        prompt.extend(bridge.tokens)
-        return Plan(turn, prompt, chains[-1], len(chains), mode, template_inputs=call.options.inputs())
+        prompt.extend(tokens)
+        inputs = call.options.inputs()
+        return Plan(turn, prompt, chains[-1], len(chains), mode, template_inputs=inputs, images=(*recorded, *runs))
 
-    async def _fresh(self, tree: SessionTree, call: ChatCall, decision: Fresh, chain: bytes) -> Plan:
+    async def _fresh(
+        self,
+        tree: SessionTree,
+        call: ChatCall,
+        decision: Fresh,
+        chain: bytes,
+        expand: images.Expansion | None = None,
+    ) -> Plan:
         prompt = await _render(_text_size(call.messages), self.renderer.prompt, call.messages, call.options)
         tokens, count = prompt.tokens, len(call.messages)
+        runs: tuple[ImageRun, ...] = ()
+        if expand is not None:
+            tokens, runs = await expand(tokens, call.messages, 0)
         mode = self._reply_mode(call, prompt.opens_reasoning)
         inputs = call.options.inputs()
         if decision.fork_from is None:
-            turn = NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None)
-            return Plan(turn, tokens, chain, count, mode, template_inputs=inputs)
-        parent, shared = tree.fork_point(decision.fork_from, tokens)
+            turn = NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None, runs)
+            return Plan(turn, tokens, chain, count, mode, template_inputs=inputs, images=runs)
+        parent, shared = tree.fork_point(decision.fork_from, tokens, runs)
         rewrite = decision.rewrite
         if rewrite is not None:
             rewrite = dataclasses.replace(rewrite, at_token=shared)
-        turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite)
-        return Plan(turn, tokens, chain, count, mode, template_inputs=inputs)
+        own = tuple(run for run in runs if run.start >= shared)
+        turn = NewTurn(parent, shared, tuple(tokens[shared:]), Origin.PROMPT, rewrite, own)
+        return Plan(turn, tokens, chain, count, mode, template_inputs=inputs, images=runs)
 
     def _reply_mode(self, call: ChatCall, opens_reasoning: bool) -> ReplyMode:
         tool_format = self.renderer.tool_format if call.parse_tool_calls else "none"

@@ -25,7 +25,7 @@ from tokentape.core.sampling import SamplingParams
 from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale, session_bound
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.versions import parse_version
-from tokentape.engines.base import Constraint, Engine, SampledToken
+from tokentape.engines.base import Constraint, Engine, PromptImage, SampledToken, takes_images
 from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
 from tokentape.errors import Conflict, ContextOverflow, InvalidRequest, Overloaded
@@ -90,6 +90,8 @@ class Gateway:
         self.admission_retry_after = 5.0
         self.admission_wait = 0.0  # seconds a new group may wait for room before its 429
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
+        vision = renderer.vision
+        self._banned = tuple(sorted(vision.vision_token_ids)) if vision is not None else ()
         self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
@@ -267,10 +269,13 @@ class Gateway:
                 assert isinstance(call, ChatCall)
                 plan = await self.planner.chat(session.tree, call)
             sampling = self._check_room(plan.prompt, call.sampling, self._clips(session))
+            if self._banned:  # a vision model: its placeholders are never sampled
+                sampling = dataclasses.replace(sampling, banned_token_ids=self._banned)
+            images = self._prompt_images(session, call, plan)
             session.requests += 1
             constraint = call.constraint if isinstance(call, ChatCall) else None
             choices = [
-                self._choice(ticket, plan, sampling, index, constraint, call.trace_id, streamed)
+                self._choice(ticket, plan, sampling, index, constraint, call.trace_id, streamed, images)
                 for index in range(sampling.n)
             ]
             async with contextlib.aclosing(choices[0]) as first:
@@ -286,6 +291,21 @@ class Gateway:
                 async with contextlib.aclosing(choice):
                     async for event in choice:
                         yield event
+
+    def _prompt_images(self, session: Session, call: Call, plan: Plan) -> list[PromptImage]:
+        """The images of the prompt, for the engine; new ones join the session's images."""
+        if not plan.images:
+            return []
+        if not takes_images(self.engine):
+            raise InvalidRequest(
+                f"the engine ({self.engine.describe().get('kind')}) takes no images: the embedded model has no "
+                "vision; serve a vision-language model behind vLLM's token route (--engine vllm-generate=URL)",
+                param="messages",
+                code="images_not_supported",
+            )
+        new = call.images if isinstance(call, ChatCall) else {}
+        known = session.tree.images
+        return [PromptImage(run, new.get(run.digest) or known[run.digest]) for run in plan.images]
 
     async def _check_staleness(self, session: Session) -> None:
         """A session too old for the policy takes no new turns (marked stale, still exportable); a new
@@ -420,6 +440,7 @@ class Gateway:
         constraint: Constraint | None,
         trace_id: str | None,
         streamed: bool,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[Event, None]:
         session: Session = ticket.session
         run = ChoiceRun(
@@ -435,6 +456,7 @@ class Gateway:
             on_engine_call=self._count_engine_call,
             constraint=constraint,
             streamed=streamed,
+            images=images,
         )
         try:
             async for delta in run.stream():
@@ -444,7 +466,7 @@ class Gateway:
             # Record even a cut-short generation: every sampled token stays on the tape.
             # Not what a failed engine answer sent before it failed: that is not trusted.
             if (run.tokens or run.completed) and not run.engine_fault:
-                node = self._record(ticket, plan, run, constraint, trace_id)
+                node = self._record(ticket, plan, run, constraint, trace_id, images)
                 write = ticket.write(node)
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
@@ -457,9 +479,12 @@ class Gateway:
         run: ChoiceRun,
         constraint: Constraint | None,
         trace_id: str | None,
+        images: Sequence[PromptImage] = (),
     ) -> TurnNode:
         session = ticket.session
         rewrites = len(session.tree.rewrites)
+        for image in images:  # stored once per session, by digest, whatever the number of turns showing it
+            session.tree.images.setdefault(image.image.digest, image.image)
         node = session.tree.attach(
             plan.turn,
             sampled=[t.token_id for t in run.tokens],
@@ -476,6 +501,7 @@ class Gateway:
             logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
             template_inputs=plan.template_inputs,
             constrained=constraint is not None,
+            shape_chain=plan.shape_chain,
         )
         self.metrics.turn_recorded(
             prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish

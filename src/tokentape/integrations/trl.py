@@ -99,6 +99,8 @@ def branch_for_trl(branch: dict[str, Any]) -> dict[str, Any]:
         "completion_ids": list(branch["tokens"][first:last]),
         "env_mask": [int(m) for m in mask[first:last]],
         "logprobs": [0.0 if lp is None else float(lp) for lp in branch["logprobs"][first:last]],
+        # a vision model's images, as TRL's dataset column names them (one per placeholder run)
+        **({"images": list(branch["images"])} if branch.get("images") else {}),
     }
 
 

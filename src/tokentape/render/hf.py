@@ -110,6 +110,31 @@ def _template_source(directory: Path, config: Mapping[str, Any]) -> str:
     return template
 
 
+def _add_declared_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any]) -> None:
+    """Added tokens that `tokenizer_config.json` declares and `tokenizer.json` lacks, at their declared
+    IDs, as transformers adds them (Qwen2-VL's files declare `<|image_pad|>` only there)."""
+    declared = config.get("added_tokens_decoder")
+    if not isinstance(declared, Mapping):
+        return
+    for key in sorted(declared, key=lambda k: int(k) if str(k).isdigit() else -1):
+        entry = declared[key]
+        if not str(key).isdigit() or not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
+            continue
+        if backend.token_to_id(entry["content"]) is not None:
+            continue
+        if backend.get_vocab_size(with_added_tokens=True) != int(key):
+            return  # a gap before it: the IDs would not be the declared ones
+        token = tokenizers.AddedToken(
+            entry["content"],
+            special=bool(entry.get("special", True)),
+            normalized=bool(entry.get("normalized", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            single_word=bool(entry.get("single_word", False)),
+        )
+        backend.add_special_tokens([token]) if token.special else backend.add_tokens([token])
+
+
 def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     """The chat template and tokenizer of a local model directory (no network)."""
     tokenizer_file = directory / "tokenizer.json"
@@ -118,6 +143,7 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     config_file = directory / "tokenizer_config.json"
     config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    _add_declared_tokens(backend, config)
     end_of_turn: set[int] = set()
     eos = _token_content(config.get("eos_token"))
     if eos and (eos_id := backend.token_to_id(eos)) is not None:

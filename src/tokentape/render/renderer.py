@@ -20,6 +20,7 @@ from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
+from tokentape.render.vision import VisionProcessor
 
 __all__ = ["Renderer", "Bridge", "Prompt", "RenderOptions", "DEFAULT_TOOL_PROMPT", "detect_tool_format"]
 
@@ -112,6 +113,8 @@ class Renderer:
         # Templates that carry state across messages (DeepSeek-R1 opens its tool outputs once per
         # conversation) need bridges rendered from the first message; Jinja is cheap beside tokenizing.
         self.anchor_safe, self.anchor_difference = self._probe_anchor()
+        # the model's image processor and placeholder tokens; None: a text-only model, images refused
+        self.vision: VisionProcessor | None = None
 
     def _takes_object_arguments(self) -> bool:
         """Whether the template wants tool-call arguments as objects (it iterates or `tojson`s them,
@@ -342,9 +345,16 @@ def _tool_calls_as_text(messages: list[Message]) -> list[Message]:
             text = message.get("content") or ""
             out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + calls)})
         elif role == "tool":
-            out.append(
-                {"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
-            )
+            content = message.get("content")
+            if isinstance(content, list):  # a result with images: its parts, wrapped the same way
+                wrapped = [
+                    {"type": "text", "text": "<tool_response>\n"},
+                    *content,
+                    {"type": "text", "text": "\n</tool_response>"},
+                ]
+                out.append({"role": "tool", "content": wrapped})
+                continue
+            out.append({"role": "tool", "content": f"<tool_response>\n{content or ''}\n</tool_response>"})
         else:
             out.append(message)
     return out

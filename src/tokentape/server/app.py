@@ -25,6 +25,7 @@ from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
 from tokentape.server.bodies import json_object
+from tokentape.server.dialects.images import ImageLimits
 from tokentape.server.dialects.registry import DIALECTS
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
@@ -94,6 +95,7 @@ def create_app(
     guard: GuardSettings | None = None,
     owns_gateway: bool = False,
     serving_process: bool = False,
+    image_limits: ImageLimits | None = None,
 ) -> FastAPI:
     """The ASGI app. It starts the gateway when it starts; a server that owns the gateway also closes
     it when it shuts down (every pending write finishes, the store checkpoints its log). In a process
@@ -115,7 +117,14 @@ def create_app(
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
     renderer = gateway.renderer
-    context = DialectContext(tokenizer, renderer.tool_format, renderer.reasoning, gateway.engine.context_length)
+    context = DialectContext(
+        tokenizer,
+        renderer.tool_format,
+        renderer.reasoning,
+        gateway.engine.context_length,
+        vision=renderer.vision is not None,
+        image_limits=image_limits or ImageLimits(),
+    )
     generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
     settings = guard or GuardSettings()
     keys = SessionKeys(gateway.sessions, settings.max_in_flight_per_key)

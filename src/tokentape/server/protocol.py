@@ -28,6 +28,12 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["image_url"]
+    image_url: dict[str, Any] | StrictStr
+
+
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     name: StrictStr
@@ -44,7 +50,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | ImagePart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 import pydantic
@@ -29,6 +29,7 @@ from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.bodies import json_object
 from tokentape.server.dialects.common import Caller, WireRequest
+from tokentape.server.dialects.images import ImageIntake, ImageLimits, fetch_remote_images
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
@@ -49,6 +50,12 @@ class DialectContext:
     tool_format: ToolFormat  # the model's tool-call syntax, for enforced tool choices
     reasoning: bool  # the chat template reads `enable_thinking`
     context_length: int
+    vision: bool = False  # the model has an image processor: image parts are taken
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+
+    def image_intake(self) -> ImageIntake:
+        """A fresh intake for one request's images."""
+        return ImageIntake(self.image_limits, vision=self.vision)
 
 
 class Dialect(abc.ABC, Generic[Req]):
@@ -104,6 +111,8 @@ class Serving:
         async def handle(request: Request) -> Response:
             use_error_shape(request, dialect.errors)
             raw = await json_object(request)
+            if dialect.context.image_limits.allow_fetch:  # the operator's choice: image URLs fetched here
+                await fetch_remote_images(raw, dialect.context.image_limits)
             try:
                 req = dialect.request_model.model_validate(raw)
             except pydantic.ValidationError as exc:

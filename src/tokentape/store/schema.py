@@ -18,18 +18,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokentape.core.images import DecodedImage, ImageRun, runs_from_json, runs_to_json
 from tokentape.core.outcome import Outcome
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import Origin, Rewrite, TurnNode
 from tokentape.core.versions import spans_from_json, spans_to_json
 
 __all__ = [
+    "IMAGES",
     "SESSIONS",
     "SESSION_COLUMNS",
     "TURNS",
     "TURN_COLUMNS",
     "Column",
     "Table",
+    "decoded_image",
+    "image_row",
     "session_row",
     "session_tree",
     "turn_node",
@@ -84,6 +88,9 @@ class Table:
 
     def insert_or_replace(self) -> str:
         return f"INSERT OR REPLACE INTO {self.name} {self._values()}"
+
+    def insert_or_ignore(self) -> str:
+        return f"INSERT OR IGNORE INTO {self.name} {self._values()}"
 
     def select(self, where: str, order: str = "") -> str:
         return f"SELECT {', '.join(self.names)} FROM {self.name} WHERE {where}" + (
@@ -193,6 +200,14 @@ def session_tree(row: Sequence[Any]) -> SessionTree:
     return tree
 
 
+def _runs_json(runs: Sequence[ImageRun]) -> str | None:
+    return json.dumps(runs_to_json(runs)) if runs else None
+
+
+def _runs(saved: str | None) -> tuple[ImageRun, ...]:
+    return runs_from_json(json.loads(saved)) if saved else ()
+
+
 def _rewrite_json(rewrite: Rewrite | None) -> str | None:
     return json.dumps(rewrite.as_dict()) if rewrite else None
 
@@ -227,8 +242,31 @@ TURN_COLUMNS = (
     Column("constrained", "INTEGER NOT NULL DEFAULT 0", "constrained", int, bool),
     # JSON: the weights versions over the sampled tokens (core.versions); NULL: none recorded
     Column("policy_spans", "TEXT", "policy_spans", spans_to_json, spans_from_json),
+    # JSON: the image runs its context brought ([digest, start, length, t, h, w]); the bytes are in `images`
+    Column("images", "TEXT", "images", _runs_json, _runs),
+    Column("shape_chain", "BLOB", "shape_chain"),  # the history's chain with images anonymous
 )
 TURNS = Table("turns", TURN_COLUMNS, ("session_id", "id"))
+
+# Images by content: one row per distinct image in the whole store, whatever the number of turns,
+# branches or sessions that show it.
+IMAGE_COLUMNS = (
+    Column("digest", "TEXT PRIMARY KEY", "digest"),
+    Column("media_type", "TEXT NOT NULL", "media_type"),
+    Column("width", "INTEGER NOT NULL", "width"),
+    Column("height", "INTEGER NOT NULL", "height"),
+    Column("data", "BLOB NOT NULL", "data"),
+)
+IMAGES = Table("images", IMAGE_COLUMNS, ("digest",))
+
+
+def image_row(image: DecodedImage) -> tuple[Any, ...]:
+    return IMAGES.row(image, {})
+
+
+def decoded_image(row: Sequence[Any]) -> DecodedImage:
+    fields, _ = IMAGES.fields(row)
+    return DecodedImage(**fields)
 
 
 def _inputs_json(node: TurnNode) -> str | None:

@@ -35,7 +35,17 @@ from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.errors import StoreFailure
 from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
-from tokentape.store.schema import SESSIONS, TURNS, session_row, session_tree, turn_node, turn_row
+from tokentape.store.schema import (
+    IMAGES,
+    SESSIONS,
+    TURNS,
+    decoded_image,
+    image_row,
+    session_row,
+    session_tree,
+    turn_node,
+    turn_row,
+)
 from tokentape.store.writer import BUSY_TIMEOUT_MS, STOP, Job, Worker, Write, settle_all
 
 __all__ = ["SqliteStore", "Write", "Synchronous"]
@@ -49,6 +59,7 @@ PAGE_SIZE = 64  # sessions per read when scanning: bounds the memory of a listin
 _SCHEMA = (
     SESSIONS.ddl()
     + TURNS.ddl()
+    + IMAGES.ddl()
     + """DROP INDEX IF EXISTS turns_by_request;
 CREATE INDEX IF NOT EXISTS sessions_in_order ON sessions (created_at, id);
 """
@@ -57,6 +68,7 @@ _UPSERT_SESSION = SESSIONS.upsert(where="deleted = 0")
 _INSERT_TURN = TURNS.insert_or_replace()
 _SELECT_TURNS = TURNS.select("session_id = ?", order="id")
 _SELECT_SESSION = SESSIONS.select("id = ?")  # deleted ones too: a tombstone says so
+_INSERT_IMAGE = IMAGES.insert_or_ignore()
 
 _ID, _CREATED_AT, _DELETED = (SESSIONS.names.index(name) for name in ("id", "created_at", "deleted"))
 
@@ -69,10 +81,12 @@ def _upsert_session(db: sqlite3.Connection, row: Row) -> bool:
     return db.execute(_UPSERT_SESSION, row).rowcount > 0
 
 
-def _write_turn(session: Row, turn: Row) -> Callable[[sqlite3.Connection], bool]:
+def _write_turn(session: Row, turn: Row, images: Sequence[Row] = ()) -> Callable[[sqlite3.Connection], bool]:
     def apply(db: sqlite3.Connection) -> bool:
         if not _upsert_session(db, session):
             return False
+        if images:  # by content: an image already stored is not stored again
+            db.executemany(_INSERT_IMAGE, images)
         db.execute(_INSERT_TURN, turn)
         return True
 
@@ -115,6 +129,7 @@ def _tree(db: sqlite3.Connection, row: Row) -> SessionTree:
         tree = session_tree(row)
         for turn in db.execute(_SELECT_TURNS, (session_id,)):
             tree.restore(turn_node(tree, turn))
+        _restore_images(db, tree)
     except sqlite3.Error:
         raise  # the database itself failed, not this session's rows
     except Exception as exc:
@@ -122,6 +137,20 @@ def _tree(db: sqlite3.Connection, row: Row) -> SessionTree:
             f"session {session_id!r} cannot be read from the store: {exc}", param="session_id", code="session_corrupt"
         ) from exc
     return tree
+
+
+def _restore_images(db: sqlite3.Connection, tree: SessionTree) -> None:
+    """The images the session's turns show, read once each."""
+    digests = sorted({run.digest for node in tree.nodes for run in node.images})
+    for start in range(0, len(digests), 500):  # within SQLite's limit on bound parameters
+        chunk = digests[start : start + 500]
+        select = IMAGES.select(f"digest IN ({', '.join('?' * len(chunk))})")
+        for image_row_ in db.execute(select, chunk):
+            image = decoded_image(image_row_)
+            tree.images[image.digest] = image
+    missing = [d for d in digests if d not in tree.images]
+    if missing:
+        raise ValueError(f"image {missing[0]} that a turn shows is not stored")
 
 
 def _load(db: sqlite3.Connection, session_id: str) -> SessionTree | None:
@@ -270,7 +299,8 @@ class SqliteStore:
         and `node` now, on the caller's thread. Resolves to True once committed, False if the
         session was deleted (nothing written); raises `StoreFailure` if the write failed."""
         session_id = tree.session_id
-        job = _write_turn(session_row(tree), turn_row(session_id, node, request_key))
+        images = [image_row(tree.images[run.digest]) for run in node.images]
+        job = _write_turn(session_row(tree), turn_row(session_id, node, request_key), images)
         return self._write(job, f"write turn {node.id} of session {session_id!r}")
 
     def save_session(self, tree: SessionTree) -> Write[bool]:
@@ -293,6 +323,15 @@ class SqliteStore:
         return self._write(lambda db: None, "flush")
 
     # -- reads ---------------------------------------------------------------------------------------
+    async def image_stats(self) -> dict[str, int]:
+        """How many distinct images the store holds, and their bytes."""
+
+        def count(db: sqlite3.Connection) -> dict[str, int]:
+            images, size = db.execute("SELECT count(*), coalesce(sum(length(data)), 0) FROM images").fetchone()
+            return {"images": int(images), "bytes": int(size)}
+
+        return await self._read(count, "count images")
+
     async def load(self, session_id: str) -> SessionTree | None:
         """The stored session, None if there is none (or it was deleted); raises `StoreFailure`
         (session_corrupt) if its rows cannot be read."""

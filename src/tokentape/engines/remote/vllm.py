@@ -6,14 +6,16 @@ and logprobs are read from the response, never from text."""
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, logprob_mode
 from tokentape.engines.remote.updates import Need, UpdatableRemote
+from tokentape.engines.remote.vllm_images import RENDER_ROUTE, RenderCache, features, render_body, rendered_image
 from tokentape.engines.remote.wire import (
     best_first,
     listed,
@@ -144,12 +146,14 @@ class VLLMEngine(UpdatableRemote):
         session_id: str | None = None,
         constraint: Constraint | None = None,
         whole: bool = False,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)
         mode = self.logprob_mode(params)
-        events = self._events(
-            self.path, self._body(prompt, params, seed, constraint, whole), session_id, _choice_finished
-        )
+        body = self._body(prompt, params, seed, constraint, whole)
+        if images:
+            body.update(await self._image_fields(prompt, images))
+        events = self._events(self.path, body, session_id, _choice_finished)
         try:
             async for event in events:
                 for token in self._tokens(event, params, mode):
@@ -157,6 +161,15 @@ class VLLMEngine(UpdatableRemote):
                     yield token
         finally:
             await events.aclose()
+
+    async def _image_fields(self, prompt: Sequence[int], images: Sequence[PromptImage]) -> dict[str, Any]:
+        """What the request adds for its images. The completions route takes token IDs without images."""
+        raise InvalidRequest(
+            f"the {self.kind} engine (vLLM's /v1/completions) takes no images with token IDs; serve the model "
+            "behind vLLM's token route (--engine vllm-generate=URL)",
+            param="messages",
+            code="images_not_supported",
+        )
 
     def _tokens(self, event: dict[str, Any], params: SamplingParams, mode: LogprobMode) -> list[SampledToken]:
         """The sampled tokens of one completions event, checked against the wire format."""
@@ -207,6 +220,22 @@ class VLLMGenerateEngine(VLLMEngine):
 
     kind = "vllm-generate"
     path = "/inference/v1/generate"
+    takes_images = True  # token IDs with `features` (`vllm_images`)
+
+    async def _image_fields(self, prompt: Sequence[int], images: Sequence[PromptImage]) -> dict[str, Any]:
+        renders = []
+        for image in images:
+            render = self._renders.get(image.run.digest)
+            if render is None:
+                answer = await self._call("POST", RENDER_ROUTE, body=render_body(self.adapter or self.model_id, image))
+                render = rendered_image(answer)
+                self._renders.put(image.run.digest, render)
+            renders.append(render)
+        return {"features": features(prompt, images, renders)}
+
+    @functools.cached_property
+    def _renders(self) -> RenderCache:
+        return RenderCache()
 
     def _body(
         self,

@@ -29,6 +29,7 @@ __all__ = [
     "wire_ids",
 ]
 
+BANNED = -100.0  # the logit bias that keeps a token from being sampled
 LOGPROB_SLACK = 1e-3  # a logprob above 0 by more than rounding is not a log-probability
 QUOTED = 200  # characters of an engine's answer quoted in an error
 
@@ -119,7 +120,7 @@ def wire_ids(tokens: Sequence[int]) -> Any:
 def sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int, *, length_key: str) -> dict[str, Any]:
     """The sampling fields vLLM and SGLang name alike; each adapter adds its own dialect's."""
     room = context - len(prompt)
-    return {
+    fields: dict[str, Any] = {
         length_key: room if params.max_tokens is None else min(params.max_tokens, room),
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -128,3 +129,6 @@ def sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int,
         "stop_token_ids": list(params.stop_token_ids),
         "skip_special_tokens": False,  # stop tokens were sampled: their text stays
     }
+    if params.banned_token_ids:  # OpenAI's logit_bias, as both take it: -100 bans a token
+        fields["logit_bias"] = {str(token): BANNED for token in params.banned_token_ids}
+    return fields

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Annotated, Any
 
 import pydantic
@@ -32,6 +32,7 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
+from tokentape.server.dialects.images import ImageIntake, ImageLimits, joined, text_part
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import ANTHROPIC_ERRORS
 from tokentape.server.protocol import MAX_MESSAGES
@@ -88,9 +89,52 @@ def _plain_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _no_images() -> ImageIntake:
+    """The intake of a caller that takes no images (a text-only model)."""
+    return ImageIntake(ImageLimits(), vision=False)
+
+
+def _image(block: Mapping[str, Any], where: str, intake: Callable[[], ImageIntake]) -> dict[str, Any]:
+    """An `image` block (base64 source; a url source only as the intake allows) as an image part."""
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        raise InvalidRequest(f"{where}.source must be an object", param=where)
+    if source.get("type") == "base64":
+        return intake().base64(source.get("media_type"), source.get("data"), where)
+    if source.get("type") == "url":
+        return intake().url(source.get("url"), where)
+    raise InvalidRequest(f"{where}.source.type must be 'base64' or 'url'", param=where)
+
+
+def _tool_result(result: Any, where: str, intake: Callable[[], ImageIntake]) -> str | list[Mapping[str, Any]]:
+    """A tool result's content: text, or text and images (a screenshot a tool returned)."""
+    if result is None:
+        return ""
+    if isinstance(result, str):
+        return result
+    blocks = _blocks(result, where)
+    if not any(block.get("type") == "image" for block in blocks):
+        return _plain_text(result, where)
+    parts: list[Mapping[str, Any]] = []
+    for j, block in enumerate(blocks):
+        if block.get("type") == "image":
+            parts.append(_image(block, f"{where}.content[{j}]", intake))
+        elif block.get("type") == "text" and isinstance(block.get("text"), str):
+            parts.append(text_part(block["text"]))
+        else:
+            raise InvalidRequest(
+                f"{where}.content[{j}]: blocks of type {block.get('type')!r} are not supported", param=where
+            )
+    return joined(parts)
+
+
 def chat_messages(
-    system: str | Sequence[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]]
+    system: str | Sequence[Mapping[str, Any]] | None,
+    messages: Sequence[Mapping[str, Any]],
+    intake: Callable[[], ImageIntake] | None = None,
 ) -> list[dict[str, Any]]:
+    """Messages as chat messages; `intake` gives the request's image intake (made on the first image)."""
+    images = intake or _no_images
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _plain_text(system, "system")})
@@ -104,19 +148,27 @@ def chat_messages(
             out.append(_assistant(blocks, where))
             continue
         texts: list[str] = []
+        parts: list[Mapping[str, Any]] | None = None  # text and images, once the message holds an image
         for j, block in enumerate(blocks):
             kind = block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+                if parts is None:
+                    texts.append(block["text"])
+                else:
+                    parts.append(text_part(block["text"]))
+            elif kind == "image":
+                parts = [text_part(text) for text in texts] if parts is None else parts
+                parts.append(_image(block, f"{where}.content[{j}]", images))
             elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
-                result = block.get("content")
-                text = "" if result is None else result if isinstance(result, str) else _plain_text(result, where)
-                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+                content = _tool_result(block.get("content"), f"{where}.content[{j}]", images)
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
             else:
                 raise InvalidRequest(
                     f"{where}.content[{j}]: blocks of type {kind!r} are not supported", param=f"{where}.content"
                 )
-        if texts:
+        if parts is not None:
+            out.append({"role": "user", "content": joined(parts)})
+        elif texts:
             out.append({"role": "user", "content": "".join(texts)})
     return out
 
@@ -360,7 +412,14 @@ class AnthropicMessages(Dialect[MessagesRequest]):
         self._end_of_turn = context.tokenizer.end_of_turn_ids
 
     def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
-        messages = chat_messages(req.system, req.messages)
+        intake: list[ImageIntake] = []
+
+        def images() -> ImageIntake:  # made on the first image: text-only requests never pay for one
+            if not intake:
+                intake.append(self.context.image_intake())
+            return intake[0]
+
+        messages = chat_messages(req.system, req.messages, images)
         if not any(m["role"] != "system" for m in messages):
             raise InvalidRequest("messages must not be empty", param="messages")
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as on chat completions
@@ -376,7 +435,16 @@ class AnthropicMessages(Dialect[MessagesRequest]):
         answer_format = (req.output_config or {}).get("format")
         thinking = {"enable_thinking": (req.thinking or {}).get("type") == "enabled"} if self.reasoning else None
         return chat_call(
-            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, template_kwargs=thinking
+            req,
+            caller,
+            messages,
+            sampling,
+            self.tool_format,
+            tools,
+            choice,
+            answer_format,
+            template_kwargs=thinking,
+            images=intake[0].images if intake else None,
         )
 
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:

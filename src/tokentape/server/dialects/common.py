@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from tokentape.core.images import DecodedImage
 from tokentape.core.messages import Message
 from tokentape.core.reply import ToolFormat
 from tokentape.core.sampling import SamplingParams
@@ -120,6 +121,7 @@ def chat_call(
     *,
     template_kwargs: Mapping[str, Any] | None = None,
     session_id: str | None = None,
+    images: Mapping[str, DecodedImage] | None = None,
 ) -> ChatCall:
     """A chat-like request as the gateway's chat call, its tools and answer format already in chat
     completions' terms: tool calls are parsed when tools are offered and not switched off, and the
@@ -138,6 +140,8 @@ def chat_call(
         retry=caller.retry,
         trace_id=caller.trace_id,
         constraint=output_constraint(tools, tool_choice, response_format, tool_format),
+        images=images or {},
+        has_images=images is not None,
     )
 
 

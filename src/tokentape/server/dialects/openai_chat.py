@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from tokentape.core.messages import flatten_text_parts
+from tokentape.core.messages import Message, flatten_text_parts
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, CompletionCall, Event, Started, TextDelta
 from tokentape.server.dialects.common import Caller, chat_call, sampling_from_wire
+from tokentape.server.dialects.images import ImageIntake, joined, text_part
 from tokentape.server.dialects.wire import DONE, TokenText, sse
 from tokentape.server.errors import OPENAI_ERRORS
 from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -43,6 +44,28 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
     raise InvalidRequest("the prompt must be text or token IDs", param="prompt")
 
 
+def _has_image_parts(message: Message) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+
+def _with_images(message: Message, index: int, intake: ImageIntake) -> Message:
+    """A message with `image_url` parts: the images checked and named by digest. Images come from
+    the user or from a tool (a screenshot a tool returned)."""
+    where = f"messages[{index}].content"
+    if message.get("role") not in ("user", "tool"):
+        raise InvalidRequest(f"{where}: images are taken in user and tool messages only", param=where)
+    parts: list[Mapping[str, Any]] = []
+    for j, part in enumerate(message["content"]):
+        if part.get("type") == "text":
+            parts.append(text_part(part["text"]))
+            continue
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        parts.append(intake.url(url, f"{where}[{j}]"))
+    return {**message, "content": joined(parts)}
+
+
 def _include_usage(req: SamplingFields) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
@@ -66,9 +89,17 @@ class OpenAIChat(_OpenAI[ChatCompletionRequest]):
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as OpenAI answers it
         logprobs, top = bool(req.logprobs), req.top_logprobs
         sampling = sampling_from_wire(req, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top, names=names)
-        messages = [flatten_text_parts(m) for m in raw["messages"]]
+        intake: ImageIntake | None = None
+        messages: list[Message] = []
+        for i, message in enumerate(raw["messages"]):
+            if _has_image_parts(message):  # text-only requests never come here
+                intake = intake or self.context.image_intake()
+                messages.append(_with_images(message, i, intake))
+            else:
+                messages.append(flatten_text_parts(message))
         tools, choice, answer_format = req.tools, req.tool_choice, req.response_format
-        return chat_call(req, caller, messages, sampling, self.tool_format, tools, choice, answer_format)
+        images = intake.images if intake is not None else None
+        return chat_call(req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, images=images)
 
     def _wire(self, req: ChatCompletionRequest, started: Started) -> WireBuilder:
         tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))

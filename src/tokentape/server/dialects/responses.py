@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -32,12 +32,14 @@ import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
+from tokentape.core.images import has_images
 from tokentape.core.messages import Message
 from tokentape.engines.base import SampledToken
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
+from tokentape.server.dialects.images import ImageIntake, ImageLimits, joined, text_part
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import OPENAI_ERRORS, ErrorShape
 from tokentape.server.serving import Dialect, DialectContext
@@ -107,9 +109,28 @@ def _reasoning_text(item: Mapping[str, Any]) -> str:
     return "".join(str(p.get("text", "")) for p in parts if isinstance(p, Mapping))
 
 
-def chat_messages(items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _content(content: Any, where: str, intake: Callable[[], ImageIntake]) -> str | list[Mapping[str, Any]]:
+    """A user message's or function output's content: text, or text and `input_image` parts."""
+    if not (
+        isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == "input_image" for p in content)
+    ):
+        return _text_of(content, where)
+    parts: list[Mapping[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "input_image":
+            parts.append(intake().url(part.get("image_url"), f"{where}.content[{j}]"))
+        else:
+            parts.append(text_part(_text_of([part], where)))
+    return joined(parts)
+
+
+def chat_messages(
+    items: str | Sequence[Mapping[str, Any]], intake: Callable[[], ImageIntake] | None = None
+) -> list[dict[str, Any]]:
     """Input items as chat messages. An assistant message and the function calls after it (and the
-    reasoning item before them) are one assistant turn, as the chat API and the tape see it."""
+    reasoning item before them) are one assistant turn, as the chat API and the tape see it.
+    `intake` gives the request's image intake (made on its first image)."""
+    images = intake or (lambda: ImageIntake(ImageLimits(), vision=False))
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -122,6 +143,10 @@ def chat_messages(items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, An
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise InvalidRequest(f"{where}.role must be user, system, developer or assistant", param=where)
+            if role == "user":
+                open_turn = None
+                out.append({"role": role, "content": _content(item.get("content"), where, images)})
+                continue
             text = _text_of(item.get("content"), where)
             if role == "assistant":
                 if open_turn is not None and not open_turn.get("tool_calls") and open_turn["content"] is not None:
@@ -149,9 +174,9 @@ def chat_messages(items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, An
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise InvalidRequest(f"{where}: a function_call_output needs call_id", param=where)
-            text = output if isinstance(output, str) else _text_of(output, where)
+            result = output if isinstance(output, str) else _content(output, where, images)
             open_turn = None
-            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item)
         else:
@@ -486,7 +511,16 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
                     param="previous_response_id",
                 )
             session_id = owner
-        messages: list[Message] = [*earlier, *chat_messages(req.input)]
+        intake: list[ImageIntake] = []
+
+        def images() -> ImageIntake:  # made on the first image: text-only requests never pay for one
+            if not intake:
+                intake.append(self.context.image_intake())
+            return intake[0]
+
+        messages: list[Message] = [*earlier, *chat_messages(req.input, images)]
+        if earlier and not intake and has_images(earlier):  # the continued conversation's images, recorded
+            images()
         if not messages:
             raise InvalidRequest("input must not be empty", param="input")
         if req.instructions:
@@ -506,7 +540,16 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
             response_format(req.text),
         )
         return chat_call(
-            req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, session_id=session_id
+            req,
+            caller,
+            messages,
+            sampling,
+            self.tool_format,
+            tools,
+            choice,
+            answer_format,
+            session_id=session_id,
+            images=intake[0].images if intake else None,
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:

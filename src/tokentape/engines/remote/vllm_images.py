@@ -1,0 +1,102 @@
+"""Images on vLLM's token route. `/inference/v1/generate` takes the prompt's token IDs with
+`features`: per image its hash, its placeholder range in those IDs, and its processed tensors
+(`kwargs_data`, vLLM's own serialisation). Only vLLM makes those tensors, through its render route
+`/v1/chat/completions/render`: each image is rendered once, alone in a user message, and what vLLM
+answers is kept by digest (a screenshot shown on every turn is rendered once).
+
+The render answer is also the check against double expansion: the placeholder run vLLM's processor
+makes for the image must be, token for token, the run the tape holds; otherwise the engine would
+see another prompt than the one recorded, and the generation is refused before it starts.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokentape.engines.base import PromptImage
+from tokentape.engines.remote.wire import listed, quote
+from tokentape.errors import EngineProtocolError
+
+__all__ = ["RENDER_ROUTE", "RenderedImage", "RenderCache", "features", "render_body", "rendered_image"]
+
+RENDER_ROUTE = "/v1/chat/completions/render"
+RENDERS_KEPT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedImage:
+    """What vLLM's render route made of one image: its hash, its run (markers included) and its
+    serialised processor outputs."""
+
+    mm_hash: str
+    run: tuple[int, ...]
+    kwargs_data: str | None
+
+
+def render_body(model: str, image: PromptImage) -> dict[str, Any]:
+    """The render request for one image alone in a user message."""
+    data = base64.b64encode(image.image.data).decode()
+    url = f"data:{image.image.media_type};base64,{data}"
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+    }
+
+
+def rendered_image(answer: object) -> RenderedImage:
+    """The one image of a render answer (a GenerateRequest: `token_ids` and `features`)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("features"), dict):
+        raise EngineProtocolError(f"vLLM's render route answered without features: {quote(answer)}")
+    tokens, found = listed(answer.get("token_ids"), "token_ids"), answer["features"]
+    hashes = listed((found.get("mm_hashes") or {}).get("image"), "mm_hashes.image")
+    places = listed((found.get("mm_placeholders") or {}).get("image"), "mm_placeholders.image")
+    kwargs = listed((found.get("kwargs_data") or {}).get("image"), "kwargs_data.image") or [None]
+    if len(hashes) != 1 or len(places) != 1 or not isinstance(places[0], dict):
+        raise EngineProtocolError(f"vLLM's render of one image gave {len(hashes)} image features: {quote(found)}")
+    offset, length = places[0].get("offset"), places[0].get("length")
+    if not (isinstance(offset, int) and isinstance(length, int) and offset >= 1 and offset + length < len(tokens)):
+        raise EngineProtocolError(f"vLLM's render gave a placeholder range outside its tokens: {quote(places[0])}")
+    # the placeholder range covers the pads; the run on the tape holds the markers around them too
+    return RenderedImage(str(hashes[0]), tuple(tokens[offset - 1 : offset + length + 1]), kwargs[0])
+
+
+class RenderCache:
+    """Render answers by image digest (least recently used dropped first)."""
+
+    def __init__(self, size: int = RENDERS_KEPT) -> None:
+        self.size = size
+        self._items: OrderedDict[str, RenderedImage] = OrderedDict()
+
+    def get(self, digest: str) -> RenderedImage | None:
+        item = self._items.get(digest)
+        if item is not None:
+            self._items.move_to_end(digest)
+        return item
+
+    def put(self, digest: str, item: RenderedImage) -> None:
+        self._items[digest] = item
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+def features(prompt: Sequence[int], images: Sequence[PromptImage], renders: Sequence[RenderedImage]) -> dict[str, Any]:
+    """The `features` of a generate request: each image's vLLM hash, its pads' range in `prompt`, its
+    tensors. Refuses (EngineProtocolError) when vLLM's run for an image is not the tape's."""
+    hashes, places, kwargs = [], [], []
+    for image, render in zip(images, renders, strict=True):
+        run = image.run
+        held = tuple(prompt[run.start : run.end])
+        if held != render.run:
+            raise EngineProtocolError(
+                f"vLLM's processor expands image {run.digest[:12]} to {len(render.run) - 2} placeholder tokens "
+                f"where the tape holds {run.length - 2} (or other tokens around them): it would see another "
+                "prompt than the one recorded"
+            )
+        hashes.append(render.mm_hash)
+        places.append({"offset": run.start + 1, "length": run.length - 2})
+        kwargs.append(render.kwargs_data)
+    return {"mm_hashes": {"image": hashes}, "mm_placeholders": {"image": places}, "kwargs_data": {"image": kwargs}}

@@ -1,0 +1,273 @@
+"""Images as the dialects receive them: base64 `data:` URLs (chat completions' `image_url`, Responses'
+`input_image`), Anthropic's base64 `image` blocks. Each is checked here, before anything is recorded:
+decodable, of a supported type, within the size and count limits, and sent to a model that has
+vision. The part that fails is named in the 400. An http(s) URL is refused unless the operator
+allows fetching (`ImageLimits.allow_fetch`, `serve --allow-image-urls`): then the serving layer
+fetches it before the request is parsed (`fetch_remote_images`), within the same size limit, and the
+image goes on as if it had been sent inline. Fetching lets clients make the gateway request any URL
+it can reach: an operator's choice, off by default.
+
+What comes out is the gateway's image part, `{"type": "image", "image": <digest>}`, and the decoded
+image under its digest in the intake.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokentape.core.images import IMAGE_PART, DecodedImage
+from tokentape.errors import InvalidRequest
+
+__all__ = ["FETCH_TIMEOUT", "IMAGE_TYPES", "ImageIntake", "ImageLimits", "fetch_remote_images"]
+
+FETCH_TIMEOUT = 10.0  # seconds for one image URL
+
+# media type -> the format name Pillow gives it
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
+_FORMAT_TYPES = {fmt: media for media, fmt in IMAGE_TYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request may send. `max_pixels` bounds a decoded image (a small file can decode to an
+    enormous bitmap); `allow_fetch` lets http(s) image URLs be fetched by the gateway."""
+
+    max_bytes: int = 10 * 1024 * 1024
+    max_images: int = 64  # distinct images: a screenshot the history repeats counts once
+    max_pixels: int = 4096 * 4096
+    allow_fetch: bool = False
+
+
+class ImageIntake:
+    """The images of one request, checked as they are parsed."""
+
+    def __init__(self, limits: ImageLimits, *, vision: bool, model: str = "this model") -> None:
+        self.limits = limits
+        self.vision = vision
+        self.model = model
+        self.images: dict[str, DecodedImage] = {}
+
+    def url(self, url: Any, where: str) -> dict[str, Any]:
+        """An `image_url` (a `data:` URL with base64 content)."""
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest(f"{where}: the image URL must be a non-empty string", param=where)
+        if url.startswith(("http://", "https://")):
+            self._check_vision(where)
+            raise InvalidRequest(
+                f"{where}: image URLs are not fetched by this gateway; send the image inline as a base64 "
+                "data: URL (data:image/png;base64,...)",
+                param=where,
+                code="image_url_not_allowed",
+            )
+        if not url.startswith("data:"):
+            raise InvalidRequest(f"{where}: the image URL must be a data: URL", param=where)
+        head, comma, payload = url[5:].partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise InvalidRequest(f"{where}: the data: URL must be base64 (data:image/png;base64,...)", param=where)
+        return self.base64(head[: -len(";base64")], payload, where)
+
+    def base64(self, media_type: Any, data: Any, where: str) -> dict[str, Any]:
+        """Base64 image bytes of a declared media type."""
+        self._check_vision(where)
+        if media_type not in IMAGE_TYPES:
+            raise InvalidRequest(
+                f"{where}: images of type {media_type!r} are not supported (use {', '.join(IMAGE_TYPES)})",
+                param=where,
+                code="unsupported_image_type",
+            )
+        if not isinstance(data, str):
+            raise InvalidRequest(f"{where}: the image data must be a base64 string", param=where)
+        if len(data) * 3 // 4 > self.limits.max_bytes:
+            raise self._too_large(where)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequest(f"{where}: the image data is not valid base64", param=where) from exc
+        return self.raw(raw, where)
+
+    def raw(self, raw: bytes, where: str) -> dict[str, Any]:
+        """Image bytes, whatever their declared type: what they decode to decides."""
+        self._check_vision(where)
+        if len(raw) > self.limits.max_bytes:
+            raise self._too_large(where)
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest not in self.images:
+            if len(self.images) >= self.limits.max_images:
+                raise InvalidRequest(
+                    f"{where}: a request may hold at most {self.limits.max_images} distinct images",
+                    param=where,
+                    code="too_many_images",
+                )
+            known = _checked.get(digest, raw)
+            fits = known is not None and known.width * known.height <= self.limits.max_pixels
+            self.images[digest] = known if known is not None and fits else self._decode(raw, digest, where)
+        return {"type": IMAGE_PART, IMAGE_PART: digest}
+
+    def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+        image = self._decoded(raw, digest, where)
+        _checked.put(image)
+        return image
+
+    def _decoded(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(raw)) as image:
+                    fmt, (width, height) = image.format, image.size
+                    if width * height > self.limits.max_pixels:
+                        raise InvalidRequest(
+                            f"{where}: the image is {width}x{height} pixels; at most {self.limits.max_pixels:,} "
+                            "pixels are accepted",
+                            param=where,
+                            code="image_too_large",
+                        )
+                    image.load()  # decode it all: a truncated or corrupt file fails here, not in the processor
+        except InvalidRequest:
+            raise
+        except Exception as exc:
+            raise InvalidRequest(
+                f"{where}: the image cannot be decoded ({type(exc).__name__})", param=where, code="invalid_image"
+            ) from exc
+        media_type = _FORMAT_TYPES.get(fmt or "")
+        if media_type is None:
+            raise InvalidRequest(
+                f"{where}: images in {fmt} format are not supported (use {', '.join(IMAGE_TYPES)})",
+                param=where,
+                code="unsupported_image_type",
+            )
+        return DecodedImage(digest, raw, media_type, width, height)
+
+    def _too_large(self, where: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"{where}: an image may be at most {self.limits.max_bytes:,} bytes",
+            param=where,
+            code="image_too_large",
+        )
+
+    def _check_vision(self, where: str) -> None:
+        if not self.vision:
+            raise InvalidRequest(
+                f"{where}: {self.model} has no vision; images need a vision-language model served with its "
+                "processor (a Qwen2-VL model directory behind a vLLM engine)",
+                param=where,
+                code="images_not_supported",
+            )
+
+
+class _Checked:
+    """Images decoded lately, by digest: agents send their whole history each turn, and a screenshot
+    checked once need not be decoded again (its bytes are the ones hashed, so the digest vouches)."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._facts: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # digest -> type, width, height
+        self._lock = threading.Lock()
+
+    def get(self, digest: str, raw: bytes) -> DecodedImage | None:
+        with self._lock:
+            facts = self._facts.get(digest)
+            if facts is None:
+                return None
+            self._facts.move_to_end(digest)
+        return DecodedImage(digest, raw, *facts)
+
+    def put(self, image: DecodedImage) -> None:
+        with self._lock:
+            self._facts[image.digest] = (image.media_type, image.width, image.height)
+            while len(self._facts) > self.size:
+                self._facts.popitem(last=False)
+
+
+_checked = _Checked()
+
+
+def _remote_urls(node: Any, where: str, found: list[tuple[dict[str, Any], str, str, str]]) -> None:
+    """Every http(s) image URL of a request body, as (the object holding it, its key, the URL, where)."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _remote_urls(item, f"{where}[{i}]", found)
+        return
+    if not isinstance(node, dict):
+        return
+    kind = node.get("type")
+    holder: dict[str, Any] | None = None
+    key = ""
+    if kind == "image_url":  # chat: {"image_url": "..."} or {"image_url": {"url": "..."}}
+        holder, key = (node["image_url"], "url") if isinstance(node.get("image_url"), dict) else (node, "image_url")
+    elif kind == "input_image":  # Responses
+        holder, key = node, "image_url"
+    elif kind == "url" and isinstance(node.get("url"), str):  # Messages: an image block's source
+        holder, key = node, "url"
+    if holder is not None and isinstance(holder.get(key), str) and holder[key].startswith(("http://", "https://")):
+        found.append((holder, key, holder[key], where))
+    for name, value in node.items():
+        if isinstance(value, (dict, list)):
+            _remote_urls(value, f"{where}.{name}" if where else name, found)
+
+
+async def fetch_remote_images(body: dict[str, Any], limits: ImageLimits) -> None:
+    """Fetch the http(s) image URLs of a request body and put each image inline (a base64 `data:` URL,
+    or a base64 source for Messages), so that the dialect checks it as any other. Only when the
+    operator allows fetching; a URL that fails is a 400 naming it."""
+    import httpx
+
+    found: list[tuple[dict[str, Any], str, str, str]] = []
+    _remote_urls(body, "", found)
+    if len(found) > limits.max_images:
+        raise InvalidRequest(f"a request may hold at most {limits.max_images} images", code="too_many_images")
+    async with httpx.AsyncClient(timeout=FETCH_TIMEOUT, follow_redirects=True) as client:
+        for holder, key, url, where in found:
+            data = bytearray()
+            try:
+                async with client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        answered = f"{where}: fetching {url} answered {response.status_code}"
+                        raise InvalidRequest(answered, param=where)
+                    async for chunk in response.aiter_bytes():
+                        data += chunk
+                        if len(data) > limits.max_bytes:
+                            raise InvalidRequest(
+                                f"{where}: an image may be at most {limits.max_bytes:,} bytes",
+                                param=where,
+                                code="image_too_large",
+                            )
+            except httpx.HTTPError as exc:
+                raise InvalidRequest(
+                    f"{where}: {url} could not be fetched ({type(exc).__name__})", param=where
+                ) from exc
+            media = response.headers.get("content-type", "").split(";")[0].strip() or "image/png"
+            encoded = base64.b64encode(bytes(data)).decode()
+            if key == "url" and holder.get("type") == "url":  # a Messages source becomes a base64 one
+                holder.clear()
+                holder.update({"type": "base64", "media_type": media, "data": encoded})
+            else:
+                holder[key] = f"data:{media};base64,{encoded}"
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def joined(parts: list[Mapping[str, Any]]) -> str | list[Mapping[str, Any]]:
+    """Content as the chat template gets it: one string when it is all text, else the parts (adjacent
+    texts joined)."""
+    if all(p.get("type") == "text" for p in parts):
+        return "".join(str(p.get("text", "")) for p in parts)
+    out: list[Mapping[str, Any]] = []
+    for part in parts:
+        if part.get("type") == "text" and out and out[-1].get("type") == "text":
+            out[-1] = text_part(str(out[-1].get("text", "")) + str(part.get("text", "")))
+        else:
+            out.append(part)
+    return out

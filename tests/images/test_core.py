@@ -1,0 +1,41 @@
+"""The pure pieces: placeholder expansion, its refusals, and the runs' round trip through JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokentape.core.images import ImageRun, expand_placeholders, masked_images, runs_from_json, runs_to_json
+
+OPEN, PAD, CLOSE = 7, 8, 9
+
+
+def test_each_placeholder_becomes_its_own_count_and_its_run_is_located() -> None:
+    tokens = [1, OPEN, PAD, CLOSE, 2, OPEN, PAD, CLOSE]
+    expanded, runs = expand_placeholders(tokens, PAD, OPEN, CLOSE, [3, 1])
+    assert expanded == [1, OPEN, PAD, PAD, PAD, CLOSE, 2, OPEN, PAD, CLOSE]
+    assert runs == [(1, 5), (7, 3)]
+    assert [expanded[s : s + n] for s, n in runs] == [[OPEN, PAD, PAD, PAD, CLOSE], [OPEN, PAD, CLOSE]]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "lengths", "words"),
+    [
+        ([OPEN, PAD, CLOSE], [], "more image placeholders"),
+        ([OPEN, PAD, CLOSE], [2, 2], "1 image placeholder(s) for 2"),
+        ([1, PAD, CLOSE], [2], "not framed"),
+        ([OPEN, PAD], [2], "not framed"),
+    ],
+)
+def test_a_rendering_that_does_not_frame_one_pad_per_image_is_refused(
+    tokens: list[int], lengths: list[int], words: str
+) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        expand_placeholders(tokens, PAD, OPEN, CLOSE, lengths)
+
+
+def test_runs_survive_json_and_masking_forgets_only_the_image() -> None:
+    runs = (ImageRun("ab" * 32, 17, 6, (1, 4, 4)), ImageRun("cd" * 32, 40, 66, (1, 16, 16)))
+    assert runs_from_json(runs_to_json(runs)) == runs
+    message = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "image": "ab" * 32}]}
+    other = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "image": "cd" * 32}]}
+    assert masked_images(message) == masked_images(other) != masked_images({**message, "content": "x"})

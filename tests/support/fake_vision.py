@@ -1,0 +1,79 @@
+"""The image side of the fake vLLM server (`fake_engines.vllm_app`), as vLLM's token route plays it for
+Qwen2-VL: its render route processes one image with transformers' Qwen2-VL image processor and
+answers the placeholder run and features; its generate route takes token IDs with `features` and
+refuses any that do not fit them (an unknown image, a placeholder range that does not hold exactly
+the image's pads, a pad outside every range). A test instrument: no model looks at the pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from typing import Any
+
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from tests.support.fake_engines import FakeState
+
+IM_START, IM_END, USER, NEWLINE = 151644, 151645, 872, 198
+VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
+
+
+class FakeVision:
+    def __init__(self) -> None:
+        self.processor = Qwen2VLImageProcessorPil()
+        self.kwargs: dict[str, str] = {}  # mm hash -> the serialised outputs the render answered
+        self.renders = 0
+        self.generations: list[dict[str, Any]] = []  # generate bodies that carried images
+
+    def attach(self, state: FakeState) -> FakeState:
+        state.render, state.check_features, state.end_of_turn = self.render, self.check, IM_END
+        return state
+
+    def render(self, body: dict[str, Any]) -> dict[str, Any]:
+        (part,) = body["messages"][0]["content"]
+        data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+        grid = self.processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="np")
+        thw = [int(v) for v in grid["image_grid_thw"][0]]
+        pads = thw[0] * thw[1] * thw[2] // 4
+        mm_hash = hashlib.sha256(data).hexdigest()[:32]
+        self.kwargs[mm_hash] = base64.b64encode(json.dumps({"grid": thw}).encode()).decode()
+        self.renders += 1
+        tokens = [IM_START, USER, NEWLINE, VISION_START, *[IMAGE_PAD] * pads, VISION_END, IM_END, NEWLINE]
+        features = {
+            "mm_hashes": {"image": [mm_hash]},
+            "mm_placeholders": {"image": [{"offset": 4, "length": pads}]},
+            "kwargs_data": {"image": [self.kwargs[mm_hash]]},
+        }
+        return {"request_id": "render-fake", "token_ids": tokens, "features": features, "sampling_params": {}}
+
+    def check(self, body: dict[str, Any]) -> str | None:
+        tokens: list[int] = body["token_ids"]
+        features = body.get("features") or {}
+        hashes = (features.get("mm_hashes") or {}).get("image") or []
+        places = (features.get("mm_placeholders") or {}).get("image") or []
+        kwargs = (features.get("kwargs_data") or {}).get("image") or []
+        if not len(hashes) == len(places) == len(kwargs):
+            return "features: hashes, placeholders and kwargs_data differ in length"
+        covered: set[int] = set()
+        for mm_hash, place, data in zip(hashes, places, kwargs, strict=True):
+            if self.kwargs.get(mm_hash) != data:
+                return f"features: image {mm_hash} was not rendered by this server"
+            start, length = place["offset"], place["length"]
+            thw = json.loads(base64.b64decode(data))["grid"]
+            if length != thw[0] * thw[1] * thw[2] // 4:
+                return f"features: image {mm_hash} takes {thw} patches, not {length} placeholders"
+            if tokens[start : start + length] != [IMAGE_PAD] * length:
+                return f"features: the range at {start} does not hold the image's pads"
+            if tokens[start - 1] != VISION_START or tokens[start + length] != VISION_END:
+                return f"features: the pads at {start} are not framed by the vision tokens"
+            covered.update(range(start, start + length))
+        stray = [i for i, t in enumerate(tokens) if t == IMAGE_PAD and i not in covered]
+        if stray:
+            return f"{len(stray)} image pad token(s) stand for no image (first at {stray[0]})"
+        if hashes:
+            self.generations.append(body)
+        return None
