@@ -594,6 +594,14 @@ def view(
     uvicorn.run(Starlette(routes=[Route("/", home)]), host="127.0.0.1", port=port, log_level="warning")
 
 
+@app.command("verl-config")
+def verl_config() -> None:
+    """Print the path of the YAML that registers verl's `tokentape_agent` loop (`agent_loop_config_path`)."""
+    from importlib.resources import files
+
+    typer.echo(str(files("tokentape.integrations") / "verl_agent_loop.yaml"))
+
+
 def _trainer_headers(api_key: str | None) -> dict[str, str]:
     """What a trainer's own call carries on a gateway with keys (none: open mode)."""
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
