@@ -62,7 +62,7 @@ import os
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,7 @@ from tokentape.store.sqlite import SqliteStore
 __all__ = ["CONFIG_PATH", "TokentapeAgentLoop", "VerlSample", "verl_sample", "worker_gateway"]
 
 CONFIG_PATH = Path(__file__).with_name("verl_agent_loop.yaml")  # registers `tokentape_agent`
+Agent = Callable[..., Awaitable[float | None]]  # (client, prompt) or (client, prompt, row)
 MAX_ACTIVE = 1 << 20  # verl's load balancer paces its servers; the gateway adds no queue of its own
 
 
@@ -211,7 +212,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         dataset_cls: Any,
         data_config: Any,
         *,
-        agent: str,
+        agent: str | Agent,
         tokenizer_dir: str | None = None,
         rewrite_policy: str = "tape",
         overflow_reward: float = 0.0,
@@ -222,7 +223,7 @@ class TokentapeAgentLoop(AgentLoopBase):
     ) -> None:
         kwargs.pop("tools", None)  # verl's tool list: the agent brings its own tools
         super().__init__(trainer_config, server_manager, tokenizer, processor, dataset_cls, data_config, **kwargs)
-        self.agent = load_agent(agent)
+        self.agent = load_agent(agent) if isinstance(agent, str) else agent
         self._takes_row = len(inspect.signature(self.agent).parameters) >= 3
         self.tokenizer_dir = Path(str(tokenizer_dir or getattr(tokenizer, "name_or_path", "")))
         self.rewrite_policy = rewrite_policy
