@@ -31,8 +31,9 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.models import gguf_tokenizer_dir  # noqa: E402
-from tokentape.runtime import embedded_model_path  # noqa: E402
+from tests.support.models import gguf_tokenizer_dir
+
+from tokentape.runtime import embedded_model_path
 
 REPLY = "The answer is forty-two, and here is a little more text to fill the turn out to size."
 WAITS: list[float] = []  # seconds each agent call waited, tokentape side
@@ -94,7 +95,7 @@ async def main(episodes: int, turns: int) -> None:
     os.environ["VERL_COST_TURNS"] = str(turns)
     model_dir = gguf_tokenizer_dir(embedded_model_path(), Path(tempfile.mkdtemp()))
     tokenizer = hf_tokenizer(str(model_dir))
-    reply = tokenizer.encode(REPLY, add_special_tokens=False)[:31] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    reply = [*tokenizer.encode(REPLY, add_special_tokens=False)[:31], tokenizer.convert_tokens_to_ids("<|im_end|>")]
     config = _config(model_dir)
     parts = {
         "trainer_config": DictConfigWrap(config),
@@ -135,12 +136,10 @@ async def main(episodes: int, turns: int) -> None:
     ms = 1000.0
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores; {episodes} episodes, medians")
     print(f"tokentape, per call (agent's wait minus time inside generate): {statistics.median(per_call) * ms:.2f} ms")
-    print(
-        f"tokentape, per episode outside the calls (session, export, output): {statistics.median(tape_rest) * ms:.2f} ms"
-    )
+    print(f"tokentape, per episode outside its calls: {statistics.median(tape_rest) * ms:.2f} ms")
     print(f"tokentape, per {turns}-call episode in all: {statistics.median(w for w, _, _ in tape_episode) * ms:.2f} ms")
     print(
-        f"verl SingleTurnAgentLoop, per one-call episode (minus generate): {statistics.median(verl_episode) * ms:.2f} ms"
+        f"verl SingleTurnAgentLoop, per one-call episode, minus generate: {statistics.median(verl_episode) * ms:.2f} ms"
     )
 
 
