@@ -71,7 +71,8 @@ def verl_request(
     trainer: Mapping[str, Any], params: SamplingParams, *, max_tokens: int, seed: int | None, stop_ids: Collection[int]
 ) -> dict[str, Any]:
     """The `sampling_params` dict verl's servers take for one call: the trainer's sampling, the
-    request's budget and stop tokens, logprobs always on (the tape needs them)."""
+    request's budget and stop tokens, logprobs always on (the tape needs them). `seed`: only where
+    the server takes one under that name (vLLM's; SGLang's is another)."""
     request = {k: v for k, v in trainer.items() if k not in ("max_tokens", "max_new_tokens", "n")}
     request["max_tokens"] = max_tokens
     request["logprobs"] = True
@@ -93,6 +94,7 @@ class VerlEngine:
         end_of_turn_ids: frozenset[int],
         logprobs_mode: str = "processed_logprobs",
         resume_delay: float = 1.0,
+        takes_seed: bool = True,
     ) -> None:
         self.server_manager = server_manager
         self._model_id = model_id
@@ -101,6 +103,7 @@ class VerlEngine:
         self._end_of_turn = end_of_turn_ids
         self.logprobs_mode = logprobs_mode  # verl's rollout.logprobs_mode: what its vLLM servers report
         self.resume_delay = resume_delay  # seconds before an aborted call is resumed (verl waits 1 s)
+        self.takes_seed = takes_seed  # verl's vLLM servers take `seed`; SGLang's sampling has no such key
         self._episodes: dict[str, _Episode] = {}
         self.tokens_generated = 0
         self.resumed = 0  # aborted answers resumed
@@ -172,7 +175,8 @@ class VerlEngine:
         sampled: list[int] = []
         for _ in range(MAX_RESUMES):
             left = wanted - len(sampled)
-            request = verl_request(trainer, params, max_tokens=left, seed=seed, stop_ids=self._end_of_turn)
+            given = seed if self.takes_seed else None
+            request = verl_request(trainer, params, max_tokens=left, seed=given, stop_ids=self._end_of_turn)
             output = await self._call(request_id, [*prompt, *sampled], request, episode)
             tokens, logprobs = list(output.token_ids), output.log_probs
             if tokens and (logprobs is None or len(logprobs) != len(tokens)):

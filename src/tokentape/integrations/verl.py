@@ -141,6 +141,7 @@ async def worker_gateway(
     prompt_length: int,
     response_length: int,
     logprobs_mode: str = "processed_logprobs",
+    rollout_name: str = "vllm",
     rewrite_policy: str = "tape",
     store: str = ":memory:",
 ) -> WorkerGateway:
@@ -159,6 +160,7 @@ async def worker_gateway(
                 response_length=response_length,
                 end_of_turn_ids=renderer.tokenizer.end_of_turn_ids,
                 logprobs_mode=logprobs_mode,
+                takes_seed=rollout_name == "vllm",
             )
             # every session is finished and exported by its episode: none need outlive it in memory
             sessions = SessionRegistry(policy, SqliteStore(store), MemoryLimits(idle_seconds=600.0))
@@ -244,6 +246,7 @@ class TokentapeAgentLoop(AgentLoopBase):
             prompt_length=self.prompt_length,
             response_length=self.response_length,
             logprobs_mode=str(self.rollout_config.get("logprobs_mode", "processed_logprobs")),
+            rollout_name=str(self.rollout_config.get("name", "vllm")),
             rewrite_policy=self.rewrite_policy,
             store=self.store,
         )
