@@ -243,7 +243,7 @@ async def test_the_padded_batch_is_what_the_servers_received_and_sampled(
     for i in range(len(out)):
         session = out.non_tensor_batch["tokentape_session_id"][i]
         calls = episodes[session]  # the session id is verl's request_id, on every call of the episode
-        assert len(calls) >= 3 and out.non_tensor_batch["tokentape_status"][i] == "done"
+        assert len(calls) == 3 and out.non_tensor_batch["tokentape_status"][i] == "done"
         _check_row(out, i, calls, rollout.response_length)
         for call in calls:  # the trainer's sampling, logprobs asked for, the turn's end a stop
             sp = call.sampling_params

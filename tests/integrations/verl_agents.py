@@ -19,12 +19,13 @@ async def _model(client: openai.AsyncOpenAI) -> str:
 
 
 async def tool_agent(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]]) -> float:
-    """A tool loop: tool results go back until the model answers, then one follow-up question.
-    Rewarded 0.25 per tool call served (the test reads the reward, not what the model said)."""
+    """A tool loop of three calls: tool results go back while the model calls tools, a follow-up
+    question when it answers. Rewarded 0.25 per tool call served (the test reads the reward, not what
+    the model said)."""
     model = await _model(client)
     messages = list(prompt)
-    tool_calls, answers = 0, 0
-    while answers < 2 and len(messages) < 10:
+    tool_calls = 0
+    for _ in range(3):
         reply = await client.chat.completions.create(
             model=model, messages=messages, tools=[ADD_TOOL], max_tokens=24, temperature=0.7
         )
@@ -39,7 +40,6 @@ async def tool_agent(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]]) -
                 result = "error: add takes two integers a and b"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         if not message.tool_calls:
-            answers += 1
             messages.append({"role": "user", "content": FOLLOW_UP})
     return 0.25 * tool_calls
 
