@@ -21,13 +21,23 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import openai
 
 from tokentape.client import GatewayClient
 from tokentape.errors import InvalidRequest
 
-__all__ = ["Agent", "Episode", "RolloutStats", "context_overflow", "load_agent", "rendered_prompt", "run_rollout"]
+__all__ = [
+    "Agent",
+    "Episode",
+    "RolloutStats",
+    "context_overflow",
+    "last_branch",
+    "load_agent",
+    "rendered_prompt",
+    "run_rollout",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +122,12 @@ async def rendered_prompt(gateway: GatewayClient, prompt: object) -> list[int]:
     response = await gateway.http.post("/tokenize", json=body)
     response.raise_for_status()
     return [int(t) for t in response.json()["tokens"]]
+
+
+def last_branch(export: dict[str, Any]) -> dict[str, Any]:
+    """The branch of a session's export that holds its latest turn (the agent's last answer)."""
+    branch: dict[str, Any] = max(export["branches"], key=lambda b: max(b["turn_ids"]))
+    return branch
 
 
 def load_agent(target: str, examples_dir: Path = Path("examples")) -> Agent:

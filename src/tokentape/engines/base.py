@@ -66,6 +66,9 @@ class SampledToken:
     logprob: float  # what kind of log-probability: `logprob_mode`
     top_logprobs: tuple[tuple[int, float], ...] = ()  # most likely tokens at this position, best first
     logprob_mode: LogprobMode = "temperature_scaled_untruncated"  # one value for the whole generation
+    # the weights version that sampled it, where the engine knows it (weights the trainer updates
+    # behind the gateway's back, as verl's servers); None: the version the gateway dispatched under
+    version: int | None = None
 
 
 def logprob_mode(params: SamplingParams, *, scaled: bool, truncated_by: Sequence[str] = ()) -> LogprobMode:

@@ -15,7 +15,8 @@ version when it is dispatched. An update that lets turns go on (continue, keep) 
 a token boundary (or at once while it waits for the engine's next token); once the new weights are
 in, the next segment generates on from the prompt plus every token sampled so far, with what is left
 of max_tokens, through the same stop-string filter and text assembly: one turn, one reply, no token
-lost or doubled. Each segment's tokens become one policy span. A constrained generation that has
+lost or doubled. Each segment's tokens become one policy span (one per version, where the engine
+names the version of each token it sampled, as verl's servers do). A constrained generation that has
 sampled is the exception: the engine's grammar cannot start again mid-output, so it runs to its end
 under the version it began with, and the update waits for it. An update that aborts ends a streamed
 generation at its next token (finish reason abort); one waiting for its whole answer has shown
@@ -186,7 +187,11 @@ class ChoiceRun:
         if end > self._span_start:
             if not self.spans:
                 self.label = pin.label
-            add_span(self.spans, pin.version, self._span_start, end, self._kv_from)
+            start = self._span_start
+            for i in range(start, end + 1):  # one span per run of tokens under one version
+                if i == end or self._version_of(i, pin) != self._version_of(start, pin):
+                    add_span(self.spans, self._version_of(start, pin), start, i, self._kv_from)
+                    start = i
         elif not self.spans:
             self.label = pin.label  # nothing sampled yet: the latest dispatch's
         self._span_start = end
@@ -196,6 +201,11 @@ class ChoiceRun:
                 self._kv_from = last.kv_version if last.kv_version is not None else last.version
             elif self.gate.seam_mode != "keep":
                 self._kv_from = None
+
+    def _version_of(self, index: int, pin: Pin) -> int:
+        """The version that sampled token `index`: the engine's word where it gives one, else the pin's."""
+        own = self.tokens[index].version
+        return pin.version if own is None else own
 
     async def _segment(self, pin: Pin, held: list[str]) -> AsyncIterator[TextDelta]:
         """One engine generation under one pinned version, from the prompt plus what was sampled."""

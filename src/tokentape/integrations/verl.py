@@ -1,0 +1,374 @@
+"""verl's agent loop on tokentape: any agent trains through verl, every token from verl's servers.
+
+    # agent_loop.yaml (the file `tokentape verl-config` prints, with your agent)
+    - name: tokentape_agent
+      _target_: tokentape.integrations.verl.TokentapeAgentLoop
+      agent: my_pkg.agents:solve
+
+    actor_rollout_ref.rollout.agent.agent_loop_config_path=agent_loop.yaml
+    actor_rollout_ref.rollout.agent.default_agent_loop=tokentape_agent
+
+`async def solve(client: openai.AsyncOpenAI, prompt) -> float | None` is an ordinary agent (the
+`tokentape rollout` / TRL contract): `prompt` is the row's `raw_prompt` (chat messages), the return
+value its reward (None: verl's reward manager scores the sample). An agent that takes a third
+parameter gets the whole dataset row (`reward_model`, `extra_info`, ...) there.
+
+Each verl worker process holds one gateway, started by its first episode, in process (no port): the
+agent's client calls its ASGI app directly, the gateway renders with the policy's tokenizer and
+samples through the worker's `server_manager` (`tokentape.engines.verl.VerlEngine`: the session id
+is verl's `request_id`, sampling is verl's, each token's version is its server's `global_steps`).
+One episode is one session, named `verl-<pid>-<uuid>` so that two workers never collide.
+
+`run` returns the branch that holds the agent's last turn as one `AgentLoopOutput`:
+- `prompt_ids`: the branch up to its first sampled token (at most `prompt_length` tokens: a longer
+  prompt's tail goes to the response under mask 0, so nothing verl trains on is re-tokenized),
+- `response_ids`, `response_mask` (the tape's loss mask: 1 on sampled tokens; tool results, user
+  turns and turn closes 0), `response_logprobs` (the servers', 0.0 off the mask; given when verl
+  asks for logprobs, `rollout.calculate_log_probs`, as verl's own loops do), all cut to
+  `response_length` as verl's loops cut them,
+- `reward_score`: the agent's reward,
+- `num_turns`: 2 per assistant turn (verl's tool loop counts the prompt, the assistant turns and the
+  observations between them),
+- `extra_fields`: `min_global_steps`/`max_global_steps` over the sampled tokens kept (what verl's
+  staleness reads), `tokentape_versions` (per response token: the version that sampled it, -1 off
+  the mask), `tokentape_session_id`, `tokentape_status`, `tokentape_truncated`, `turn_scores` and
+  `tool_rewards` (empty: the keys verl's own loops always set).
+
+With `all_branches: true` (for verl's TransferQueue trainer, whose `run` may return a list) every
+branch of the session is its own output (a compacted history, a sub-agent, n>1 siblings), ordered by
+their last turn, the one holding the agent's last turn last (verl scores that one and copies its
+reward to the others).
+
+An episode never raises out of `run`; it ends with `tokentape_status`:
+- `done`;
+- `context_full`: a request no longer fit (the episode's `response_length` is used up, or the prompt
+  passed the servers' `prompt_length + response_length`). The branch so far, truncated, rewarded
+  `overflow_reward`;
+- `error` (the agent raised; the error in `tokentape_error`) and `refused` (the gateway refused a
+  request: its code in `tokentape_error`): the branch so far with `response_mask` all 0, rewarded
+  `error_reward`, so it adds nothing to the loss.
+When no turn was recorded the sample is the prompt as the gateway renders it (left-truncated to
+`prompt_length`, as verl caps prompts) and a one-token response (the end-of-sequence token) under
+mask 0, which verl pads like any other and trains nothing on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import inspect
+import os
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+
+from tokentape.client import InProcessGateway
+from tokentape.engines.verl import VerlEngine
+from tokentape.errors import TokentapeError
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import MemoryLimits, SessionRegistry, check_policy
+from tokentape.rollout import context_overflow, last_branch, load_agent, rendered_prompt
+from tokentape.runtime import hf_renderer
+from tokentape.store.sqlite import SqliteStore
+
+__all__ = ["CONFIG_PATH", "TokentapeAgentLoop", "VerlSample", "verl_sample", "worker_gateway"]
+
+CONFIG_PATH = Path(__file__).with_name("verl_agent_loop.yaml")  # registers `tokentape_agent`
+Agent = Callable[..., Awaitable[float | None]]  # (client, prompt) or (client, prompt, row)
+MAX_ACTIVE = 1 << 20  # verl's load balancer paces its servers; the gateway adds no queue of its own
+
+
+@dataclass(frozen=True, slots=True)
+class VerlSample:
+    """One branch cut verl's way (see the module's docstring)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    versions: list[int]  # per response token; -1 where nothing was sampled
+    truncated: bool  # cut at response_length
+
+    @property
+    def global_steps(self) -> tuple[int | None, int | None]:
+        sampled = [v for v, m in zip(self.versions, self.response_mask, strict=True) if m and v >= 0]
+        return (min(sampled), max(sampled)) if sampled else (None, None)
+
+
+def verl_sample(branch: Mapping[str, Any], *, prompt_length: int, response_length: int) -> VerlSample:
+    """A tokentape branch as verl's prompt and response: split at the first sampled token (at most
+    `prompt_length` into the branch), the response cut to `response_length`."""
+    tokens, mask = list(branch["tokens"]), [int(bool(m)) for m in branch["loss_mask"]]
+    first = mask.index(1) if 1 in mask else len(tokens)
+    split = min(first, prompt_length)
+    logprobs = [0.0 if lp is None or not m else float(lp) for lp, m in zip(branch["logprobs"], mask, strict=True)]
+    versions = [int(v) if m else -1 for v, m in zip(branch["versions"], mask, strict=True)]
+    end = split + response_length
+    return VerlSample(
+        prompt_ids=tokens[:split],
+        response_ids=tokens[split:end],
+        response_mask=mask[split:end],
+        response_logprobs=logprobs[split:end],
+        versions=versions[split:end],
+        truncated=len(tokens) > end,
+    )
+
+
+@dataclass(slots=True)
+class WorkerGateway:
+    """The gateway of one verl worker process and the engine behind it."""
+
+    client: InProcessGateway
+    engine: VerlEngine
+    keeps_sessions: bool  # a store file: sessions stay there after their episode
+
+
+_GATEWAYS: dict[tuple[int, str, int, int, str, str], asyncio.Task[WorkerGateway]] = {}
+
+
+async def worker_gateway(
+    server_manager: Any,
+    tokenizer_dir: Path,
+    *,
+    prompt_length: int,
+    response_length: int,
+    logprobs_mode: str = "processed_logprobs",
+    rollout_name: str = "vllm",
+    rewrite_policy: str = "tape",
+    store: str = ":memory:",
+) -> WorkerGateway:
+    """This process's gateway for `server_manager`, built once (concurrent first episodes share it)."""
+    key = (id(server_manager), str(tokenizer_dir), prompt_length, response_length, rewrite_policy, store)
+    task = _GATEWAYS.get(key)
+    if task is None:
+        policy = check_policy(rewrite_policy)
+
+        async def build() -> WorkerGateway:
+            renderer = await asyncio.to_thread(hf_renderer, tokenizer_dir)
+            engine = VerlEngine(
+                server_manager,
+                model_id=tokenizer_dir.name,
+                prompt_length=prompt_length,
+                response_length=response_length,
+                end_of_turn_ids=renderer.tokenizer.end_of_turn_ids,
+                logprobs_mode=logprobs_mode,
+                takes_seed=rollout_name == "vllm",
+            )
+            # every session is finished and exported by its episode: none need outlive it in memory
+            sessions = SessionRegistry(policy, SqliteStore(store), MemoryLimits(idle_seconds=600.0))
+            core = Gateway(engine, renderer, sessions, max_active=MAX_ACTIVE)
+            core.clip_max_tokens = True  # as verl's servers clip max_tokens to the room left
+            return WorkerGateway(InProcessGateway(gateway=core, model=engine.model_id), engine, store != ":memory:")
+
+        task = _GATEWAYS[key] = asyncio.ensure_future(build())
+    try:
+        return await asyncio.shield(task)
+    except Exception:
+        _GATEWAYS.pop(key, None)  # a failed build is not kept: the next episode tries again
+        raise
+
+
+def _plain(value: Any) -> Any:
+    """A dataset value without numpy containers (verl's batches hold rows as numpy object arrays)."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The gateway's error code when an exception (or one it came from) is a refused request."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, openai.APIStatusError):
+            return str(getattr(current, "code", None) or current.status_code)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class TokentapeAgentLoop(AgentLoopBase):
+    """verl's `AgentLoopBase` running a tokentape agent; YAML keys beyond `agent` are optional:
+    `tokenizer_dir` (default: the tokenizer's own directory), `rewrite_policy` (tape, fork, strict),
+    `overflow_reward`, `error_reward` (0.0), `all_branches` (false), `store` (a SQLite path to keep
+    every tape; default in memory, each session dropped once its episode is exported)."""
+
+    def __init__(
+        self,
+        trainer_config: Any,
+        server_manager: Any,
+        tokenizer: Any,
+        processor: Any,
+        dataset_cls: Any,
+        data_config: Any,
+        *,
+        agent: str | Agent,
+        tokenizer_dir: str | None = None,
+        rewrite_policy: str = "tape",
+        overflow_reward: float = 0.0,
+        error_reward: float = 0.0,
+        all_branches: bool = False,
+        store: str = ":memory:",
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("tools", None)  # verl's tool list: the agent brings its own tools
+        super().__init__(trainer_config, server_manager, tokenizer, processor, dataset_cls, data_config, **kwargs)
+        self.agent = load_agent(agent) if isinstance(agent, str) else agent
+        self._takes_row = len(inspect.signature(self.agent).parameters) >= 3
+        self.tokenizer_dir = Path(str(tokenizer_dir or getattr(tokenizer, "name_or_path", "")))
+        self.rewrite_policy = rewrite_policy
+        self.overflow_reward, self.error_reward = float(overflow_reward), float(error_reward)
+        self.all_branches = bool(all_branches)
+        self.store = store
+        self.prompt_length = int(self.rollout_config.prompt_length)
+        self.response_length = int(self.rollout_config.response_length)
+        self.worker: WorkerGateway | None = None  # the gateway the latest episode ran on
+
+    # a list where `all_branches` is set: verl's TransferQueue worker takes one (its base class says one output)
+    async def run(  # type: ignore[override]
+        self, sampling_params: dict[str, Any], **row: Any
+    ) -> AgentLoopOutput | list[AgentLoopOutput]:
+        worker = self.worker = await worker_gateway(
+            self.server_manager,
+            self.tokenizer_dir,
+            prompt_length=self.prompt_length,
+            response_length=self.response_length,
+            logprobs_mode=str(self.rollout_config.get("logprobs_mode", "processed_logprobs")),
+            rollout_name=str(self.rollout_config.get("name", "vllm")),
+            rewrite_policy=self.rewrite_policy,
+            store=self.store,
+        )
+        gateway, engine = worker.client, worker.engine
+        prompt = _plain(row["raw_prompt"])
+        session_id = f"verl-{os.getpid()}-{uuid.uuid4().hex}"
+        group = str(_plain(row["uid"])) if "uid" in row else "prompt-" + _digest(prompt)
+        started = time.perf_counter()
+        engine.open_episode(session_id, sampling_params)
+        try:
+            status, error, reward, export = await self._episode(gateway, session_id, group, prompt, row)
+        except Exception:  # the gateway itself failed around the episode: still a sample verl can pad
+            status, error, reward, export = "error", traceback.format_exc()[-4000:], self.error_reward, {}
+        finally:
+            spent = engine.close_episode(session_id)
+        metrics = AgentLoopMetrics(generate_sequences=spent, tool_calls=time.perf_counter() - started - spent)
+        logprobs = bool(sampling_params.get("logprobs"))
+        branches = sorted(export.get("branches", ()), key=lambda b: max(b["turn_ids"]))
+        if not self.all_branches and branches:
+            branches = [last_branch(export)]
+        ending = {"tokentape_session_id": session_id, "tokentape_status": status, "tokentape_error": error}
+        outputs = [self._output(b, reward, ending, metrics, logprobs) for b in branches]
+        if not outputs:
+            outputs = [await self._untrained(gateway, prompt, reward, ending, metrics, logprobs)]
+        if not worker.keeps_sessions:
+            with contextlib.suppress(TokentapeError):
+                await gateway.gateway.sessions.delete(session_id)
+        return outputs if self.all_branches else outputs[-1]
+
+    async def _episode(
+        self, gateway: InProcessGateway, session_id: str, group: str, prompt: Any, row: Mapping[str, Any]
+    ) -> tuple[str, str | None, float | None, dict[str, Any]]:
+        """Run the agent in its session: (status, error, reward, the session's export)."""
+        await gateway.create_session(session_id, group_id=group, metadata={"max_tokens": "clip"})
+        status, error, reward = "done", None, None
+        try:
+            extra = (_plain(dict(row)),) if self._takes_row else ()
+            result = self.agent(gateway.client(session_id), prompt, *extra)
+            reward = await result if inspect.isawaitable(result) else result
+        except Exception as exc:
+            if context_overflow(exc):
+                status, reward = "context_full", self.overflow_reward
+            else:
+                code = _refusal(exc)
+                status, reward = ("refused", self.error_reward) if code else ("error", self.error_reward)
+                error = code or traceback.format_exc()[-4000:]
+        rewards = {} if reward is None else {"reward": float(reward)}
+        await gateway.finish(session_id, metadata={"status": status}, **rewards)
+        export: dict[str, Any] = await gateway.export(session_id)
+        return status, error, None if reward is None else float(reward), export
+
+    def _output(
+        self,
+        branch: Mapping[str, Any],
+        reward: float | None,
+        ending: dict[str, Any],
+        metrics: AgentLoopMetrics,
+        logprobs: bool,
+    ) -> AgentLoopOutput:
+        sample = verl_sample(branch, prompt_length=self.prompt_length, response_length=self.response_length)
+        trained = ending["tokentape_status"] in ("done", "context_full")
+        low, high = sample.global_steps
+        return AgentLoopOutput(
+            prompt_ids=sample.prompt_ids,
+            response_ids=sample.response_ids,
+            response_mask=sample.response_mask if trained else [0] * len(sample.response_mask),
+            response_logprobs=sample.response_logprobs if logprobs else None,
+            reward_score=reward,
+            num_turns=2 * len(branch["turn_ids"]),
+            metrics=metrics,
+            extra_fields={
+                "min_global_steps": low,
+                "max_global_steps": high,
+                "tokentape_versions": sample.versions,
+                **ending,
+                "tokentape_truncated": sample.truncated
+                or ending["tokentape_status"] == "context_full"
+                or bool(branch["truncated"]),
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
+        )
+
+    async def _untrained(
+        self,
+        gateway: InProcessGateway,
+        prompt: Any,
+        reward: float | None,
+        ending: dict[str, Any],
+        metrics: AgentLoopMetrics,
+        logprobs: bool,
+    ) -> AgentLoopOutput:
+        """No turn was recorded: the prompt and one end-of-sequence token, trained on nowhere."""
+        try:
+            prompt_ids = (await rendered_prompt(gateway, prompt))[-self.prompt_length :]
+        except Exception:  # a prompt the gateway cannot render: an empty one, padded by verl
+            prompt_ids = []
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=[0 if eos is None else int(eos)],
+            response_mask=[0],
+            response_logprobs=[0.0] if logprobs else None,
+            reward_score=reward,
+            num_turns=0,
+            metrics=metrics,
+            extra_fields={
+                "min_global_steps": None,
+                "max_global_steps": None,
+                "tokentape_versions": [-1],
+                **ending,
+                "tokentape_truncated": ending["tokentape_status"] == "context_full",
+                "turn_scores": [],
+                "tool_rewards": [],
+            },
+        )
+
+
+def _digest(prompt: Any) -> str:
+    return hashlib.blake2b(repr(prompt).encode(), digest_size=8).hexdigest()
+
+
+def config_path() -> Path:
+    """The YAML that registers `tokentape_agent` (give it to `agent_loop_config_path`)."""
+    return CONFIG_PATH
