@@ -67,8 +67,13 @@ PIECES: list[tuple[str, re.Pattern[str]]] = [
         ("engine call (vLLM client)", r"\(engines/|\(aiohttp/|\(httpx/|\(httpcore/|\(yarl/|\(multidict/"),
         ("reply parse and generation", r"\(core/(reply|outcome|sampling)\.py|\(gateway/generation\.py"),
         ("request parse (pydantic)", r"\(server/(protocol|bodies)\.py|\(pydantic|_pydantic_core"),
-        ("response build", r"\(server/dialects/(wire|openai_chat)\.py|\(starlette/responses"),
-        ("dialect dispatch and serving", r"\(server/(serving|hot_routes|app|errors)\.py|\(server/dialects/"),
+        # the dialect's own work: the request as a gateway call, the response's JSON (3ca17f2 kept the
+        # OpenAI dialect in server/openai_api.py and server/responses.py)
+        (
+            "dialect: call and response",
+            r"\(server/dialects/(wire|openai_chat|common)\.py|\(server/(openai_api|responses)\.py|starlette/responses",
+        ),
+        ("dispatch and serving", r"\(server/(serving|hot_routes|app|errors)\.py|\(server/dialects/"),
         ("gateway request path", r"\(gateway/|\(metrics\.py"),
         ("HTTP server and event loop", r"\(uvicorn/|\(h11/|httptools|\(starlette/|\(asyncio/|uvloop|libuv|_asyncio"),
     ]
