@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -353,6 +354,7 @@ async def main(args: argparse.Namespace) -> None:
     tokenizer = model_dir(args, scratch)
     turns = args.turns
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, True)  # last out: the stores, logs and worktrees
         vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
         stack.enter_context(
             process(

@@ -187,6 +187,7 @@ async def main(args: argparse.Namespace) -> None:
     for name in [*order, "total"]:
         cells = [sum(t.values()) if name == "total" else t.get(name, 0.0) for t in tables]
         print(f"{name:<34}" + "".join(f"{cell:>12.3f}" for cell in cells))
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
