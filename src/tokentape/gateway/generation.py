@@ -229,29 +229,42 @@ class ChoiceRun:
                     **self._engine_options,
                 )
                 async with contextlib.aclosing(generation):
-                    while True:
+                    # Unstreamed, the loop awaits nothing but the engine's next token: the run is at the
+                    # engine from its first wait to its last, marked once per segment instead of twice a
+                    # token. Streamed, it also waits on its reader between tokens, where no cut belongs.
+                    whole_loop = not self.streamed
+                    if whole_loop:
                         self._at_engine(True)
-                        try:
-                            sample = await anext(generation)
-                        except StopAsyncIteration:
-                            break
-                        except asyncio.CancelledError:
-                            if not self._took_back_cut():
-                                raise
-                            # cut while waiting: nothing of this token came. At max_tokens (or the end of
-                            # the context) it was only waiting for the engine to end: it is over.
-                            self._seamed = self._room_left()
-                            return
-                        finally:
+                    try:
+                        while True:
+                            if not whole_loop:
+                                self._at_engine(True)
+                            try:
+                                sample = await anext(generation)
+                            except StopAsyncIteration:
+                                break
+                            except asyncio.CancelledError:
+                                if not self._took_back_cut():
+                                    raise
+                                # cut while waiting: nothing of this token came. At max_tokens (or the end
+                                # of the context) it was only waiting for the engine to end: it is over.
+                                self._seamed = self._room_left()
+                                return
+                            finally:
+                                if not whole_loop:
+                                    self._at_engine(False)
+                            got += 1
+                            self.waiting_whole = False  # something came: it no longer waits for it all
+                            text = self._accept(sample)
+                            if not self.streamed:
+                                held.append(text)
+                            elif (event := self._delta(text)) is not None:
+                                yield event
+                            if self._ends_here(sample, pin):
+                                break
+                    finally:
+                        if whole_loop:
                             self._at_engine(False)
-                        got += 1
-                        text = self._accept(sample)
-                        if not self.streamed:
-                            held.append(text)
-                        elif (event := self._delta(text)) is not None:
-                            yield event
-                        if self._ends_here(sample, pin):
-                            break
                 break
             except EngineFailure:
                 # before the segment's first token a retry is invisible; after it, it would duplicate tokens

@@ -40,7 +40,9 @@ _SHAPE_KEY = "tokentape.error_shape"  # where a request's dialect leaves its sha
 
 
 def json_response(body: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status_code, headers=headers, media_type="application/json")
+    # numpy arrays (a prompt's token IDs, straight from the tape) are written in C
+    body_bytes = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body_bytes, status_code=status_code, headers=headers, media_type="application/json")
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, object]:

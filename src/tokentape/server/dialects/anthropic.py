@@ -28,6 +28,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from tokentape.core.tape import FinishReason
 from tokentape.engines.base import SampledToken
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
@@ -246,7 +247,7 @@ class MessageShaper:
         self.req = req
         self.id = f"msg_{uuid.uuid4().hex}"
         self.session_id = session_id
-        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
+        self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
         self.tokens = tokens
         self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
         self._index = -1

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChoiceDone, CompletionCall, Event, Started, TextDelta
 from tokentape.server.dialects.common import Caller, Number, WireRequest, sampling_from_wire
@@ -76,7 +77,7 @@ class GenerateShaper:
         self.req = req
         self.request_id = req.request_id or uuid.uuid4().hex
         self.session_id = session_id
-        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
+        self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
 
     def logprobs(self, tokens: Sequence[SampledToken]) -> dict[str, Any] | None:
         top = self.req.sampling_params.logprobs

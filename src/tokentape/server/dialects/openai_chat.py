@@ -13,6 +13,7 @@ from typing import Any, ClassVar, TypeVar
 
 from tokentape.core.messages import Message, flatten_text_parts
 from tokentape.engines.base import SampledToken
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, CompletionCall, Event, Started, TextDelta
 from tokentape.server.dialects.common import Caller, chat_call, sampling_from_wire
@@ -218,7 +219,9 @@ class WireBuilder:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.session_id = session_id
-        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for orjson
+        # the tape's int32 array seen as numpy: orjson writes it in C (0.34 against 3.5 ms for a list of
+        # Python ints at 128k tokens, on every response)
+        self.prompt = wire_ids(prompt)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

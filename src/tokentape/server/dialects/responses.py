@@ -35,6 +35,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from tokentape.core.images import has_images
 from tokentape.core.messages import Message
 from tokentape.engines.base import SampledToken
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
@@ -258,7 +259,7 @@ class ResponseShaper:
         self.id = _new_id("resp")
         self.created = time.time()
         self.session_id = session_id
-        self.prompt = prompt if isinstance(prompt, list) else list(prompt)  # the tape's arrays, for JSON
+        self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
         self.tokens = tokens
         self._top = (req.top_logprobs or 0) if req.wants_logprobs else None  # None: no logprobs asked
         self._tools = req.tools or []

@@ -18,12 +18,18 @@ DONE = b"data: [DONE]\n\n"  # OpenAI's (and vLLM's) end of stream
 
 def sse(payload: dict[str, Any]) -> bytes:
     """One unnamed event (OpenAI chat and completions, vLLM)."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n\n"
 
 
 def named_sse(event: dict[str, Any]) -> bytes:
     """One event named by its `type` (Responses, Anthropic Messages)."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return (
+        b"event: "
+        + str(event["type"]).encode()
+        + b"\ndata: "
+        + orjson.dumps(event, option=orjson.OPT_SERIALIZE_NUMPY)
+        + b"\n\n"
+    )
 
 
 class TokenText:
