@@ -58,6 +58,10 @@ class Native:
         lib.llama_backend_init()
         self._lib = lib
         params = lib.llama_model_default_params()
+        # No repacked weights (llama.cpp's extra buffer types: AMX tiles, interleaved Q4_0): another
+        # kernel, so another rounding than a reference context computes; on a CPU with AMX, llama.cpp
+        # 0.3.36's AMX matmul of the shipped Q4_1 weights crashed. F32 and Q4_1 run as before elsewhere.
+        params.use_extra_bufts = False
         self.model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {path}")

@@ -90,7 +90,10 @@ class LlamaCppEngine:
         self.cache_tokens = settings.cache_tokens or default_cache_tokens(settings.context_length, self.parallel)
         if self.parallel < 1 or self.cache_tokens < self.context_length:
             raise ValueError("parallel must be >= 1 and the KV cache must hold at least one context")
-        self._sequences = min(_MAX_SEQUENCES, max(4 * self.parallel, 32))
+        # KV slots, running or cached for a session's next turn. parallel 1 keeps one slot: the engine
+        # as it was before batching, one cached prefix whose cells always start at the cache's first,
+        # so its logprobs are bit for bit those of a context of its own.
+        self._sequences = 1 if self.parallel == 1 else min(_MAX_SEQUENCES, max(4 * self.parallel, 32))
         self.threads = settings.threads or default_threads()
         native = self._open(settings.model_path)
         vocab = llama_cpp.llama_model_get_vocab(native.model)
