@@ -95,7 +95,10 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
         return gateway, settings.served_model_name
     engine = LlamaCppEngine(
         LlamaCppSettings(
-            model_path=path, context_length=settings.context_length, threads=settings.threads, parallel=settings.parallel
+            model_path=path,
+            context_length=settings.context_length,
+            threads=settings.threads,
+            parallel=settings.parallel,
         )
     )
     if renderer.tokenizer.vocab_size > engine.vocab_size:

@@ -33,7 +33,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
 
 pytest.importorskip("gguf")
-from tokentape.train.weights import f32_gguf  # noqa: E402
+from tokentape.train.weights import f32_gguf
 
 BOUND = 1e-3  # nats; see the module docstring
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -174,6 +174,7 @@ async def test_a_cancelled_generation_leaves_the_others_running(
                 return 1
         return 0
 
+    sampled = batching.tokens_sampled
     results = await asyncio.gather(cancelled(), *(_generate(batching, p, long) for p in prompts[1:]))
     for prompt, samples in zip(prompts[1:], results[1:], strict=True):
         assert len(samples) == 12 or samples[-1].token_id in batching._end_of_turn  # ran to its end
@@ -182,6 +183,8 @@ async def test_a_cancelled_generation_leaves_the_others_running(
     while batching.waiting and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
     assert batching.waiting == 0 and not batching._batcher.active
+    # the cancelled one sampled at most the token of the step it was closed in, beyond what it handed over
+    assert batching.tokens_sampled - sampled - sum(len(s) for s in results[1:]) - 1 <= 2
 
 
 async def test_a_constrained_sequence_shares_a_batch_with_free_ones(
@@ -210,7 +213,9 @@ class Holding:
         self.reached = 0
         self.all_reached = asyncio.Event()
 
-    async def generate(self, prompt: Sequence[int], params: SamplingParams, **kwargs: object) -> AsyncIterator[SampledToken]:
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, **kwargs: object
+    ) -> AsyncIterator[SampledToken]:
         held = self.reached < self.count and not self.all_reached.is_set()
         stream = self.inner.generate(prompt, params, **kwargs)  # type: ignore[arg-type]
         async with contextlib.aclosing(stream):

@@ -430,4 +430,3 @@ class Batcher:
         """Mark every slot's KV as computed under the current weights (an update that said keep)."""
         for slot in self.slots.slots:
             slot.version = self.version
-
