@@ -189,25 +189,21 @@ async def sessions_on_server(count: int, args: argparse.Namespace, tag: int | No
 
 def concurrent_sessions(args: argparse.Namespace) -> None:
     counts = [int(c) for c in args.sessions.split(",")]
-    if args.server:
-        runs = {}
-        asyncio.run(sessions_on_server(1, args, tag=0))  # warm up
-        for count in counts:
-            runs[count] = asyncio.run(sessions_on_server(count, args))
-        label = f"server {args.server}"
-    else:
-        runs = asyncio.run(_in_process(counts, args))
-        label = f"tokentape in-process, parallel {args.parallel or 'default'}"
+    label = f"server {args.server}" if args.server else f"tokentape in-process, parallel {args.parallel or 'default'}"
     print(
         f"{label}: F32 SmolLM2-135M, F32 KV, {args.threads} thread(s), greedy, {args.turns} turns x up to "
         f"{args.max_tokens} tokens per session"
     )
-    print(f"{'sessions':>8} {'tok/s':>8} {'turn p50 s':>9} {'p90 s':>7} {'spared':>8} {'spared/turn':>12}")
-    for count, run in runs.items():
-        print(run.row(count))
+    print(f"{'sessions':>8} {'tok/s':>8} {'turn p50 s':>9} {'p90 s':>7} {'spared':>8} {'spared/turn':>12}", flush=True)
+    if args.server:
+        asyncio.run(sessions_on_server(1, args, tag=0))  # warm up
+        for count in counts:
+            print(asyncio.run(sessions_on_server(count, args)).row(count), flush=True)
+    else:
+        asyncio.run(_in_process(counts, args))
 
 
-async def _in_process(counts: list[int], args: argparse.Namespace) -> dict[int, SessionsRun]:
+async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
     from tokentape.client import InProcessGateway
     from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
     from tokentape.runtime import RuntimeSettings, build_gateway
@@ -222,7 +218,8 @@ async def _in_process(counts: list[int], args: argparse.Namespace) -> dict[int, 
     gateway = InProcessGateway(gateway=core, model=name or "policy")
     try:
         await sessions_in_process(1, args, gateway, engine, tag=0)  # warm up
-        return {count: await sessions_in_process(count, args, gateway, engine) for count in counts}
+        for count in counts:
+            print((await sessions_in_process(count, args, gateway, engine)).row(count), flush=True)
     finally:
         await gateway.aclose()
 
