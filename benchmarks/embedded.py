@@ -5,6 +5,16 @@ chats). Greedy decoding on both sides, so both generate the same tokens; streame
 alternate between the two and the table shows medians.
 
     python benchmarks/embedded.py [--rounds 3] [--prompts 6] [--max-tokens 64] [--threads 1]
+
+Concurrent multi-turn sessions (`--sessions 1,4,16,64`): that many sessions at once, each `--turns`
+turns of up to `--max-tokens` greedy tokens (the history grows: the assistant's answer and a new user
+message each turn), through the gateway in-process on the trainer's weights (the F32 copy, F32 KV
+cache: what `tokentape train` serves), each session with its own client. It prints completion
+tokens/s, the median and p90 latency of a turn, and the engine's prefill spared per turn. `--server
+URL` runs the same sessions against an OpenAI-compatible server instead (llama.cpp's `llama-server
+-np N` on the same GGUF), each turn sending the whole history.
+
+    python benchmarks/embedded.py --sessions 1,4,16,64 --turns 3 --max-tokens 16 [--parallel 16]
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
@@ -91,13 +102,142 @@ async def through_gateway(
         return generated, time.perf_counter() - start
 
 
+def first_message(count: int, index: int) -> str:
+    """A question of its own per session and run (only the chat template's system prompt is common)."""
+    return f"[{count}/{index}] {QUESTIONS[index % len(QUESTIONS)]}"
+
+
+FOLLOW_UPS = ["Tell me more.", "Say it in one sentence.", "Thanks! Anything else?", "Why?"]
+
+
+@dataclass
+class SessionsRun:
+    tokens: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0  # what the engine was given, over all turns
+    saved: int = 0  # of which its cache spared computing
+
+    def row(self, sessions: int) -> str:
+        latencies = sorted(self.latencies)
+        p90 = latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))]
+        spared = f"{self.saved / self.prompt_tokens:6.1%}" if self.prompt_tokens else "     -"
+        turns = len(latencies) or 1
+        return (
+            f"{sessions:>8} {self.tokens / self.seconds:>8.1f} {statistics.median(latencies):>9.2f} {p90:>7.2f} "
+            f"{spared:>8} {self.saved / turns:>12.0f}"
+        )
+
+
+async def session(
+    client: openai.AsyncOpenAI, model: str, first: str, turns: int, max_tokens: int, run: SessionsRun
+) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    for turn in range(turns):
+        start = time.perf_counter()
+        reply = await client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=0.0,
+        )
+        run.latencies.append(time.perf_counter() - start)
+        assert reply.usage is not None
+        run.tokens += reply.usage.completion_tokens
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content or ""},
+            {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
+        ]
+
+
+async def sessions_in_process(
+    count: int, args: argparse.Namespace, gateway: Any, engine: Any, tag: int | None = None
+) -> SessionsRun:
+    run = SessionsRun()
+    before = engine.describe()
+    prefix = f"bench-{count}-{time.monotonic_ns()}"
+    clients = []
+    for i in range(count):
+        await gateway.create_session(f"{prefix}-{i}")
+        clients.append(gateway.client(session_id=f"{prefix}-{i}"))
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(
+            session(c, gateway.model, first_message(count if tag is None else tag, i), args.turns, args.max_tokens, run)
+            for i, c in enumerate(clients)
+        )
+    )
+    run.seconds = time.perf_counter() - start
+    after = engine.describe()
+    if "prompt_tokens" in after:
+        run.prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+        run.saved = after["prefill_tokens_saved"] - before["prefill_tokens_saved"]
+    return run
+
+
+async def sessions_on_server(count: int, args: argparse.Namespace, tag: int | None = None) -> SessionsRun:
+    run = SessionsRun()
+    async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=count + 4)) as http:
+        client = openai.AsyncOpenAI(base_url=f"{args.server}/v1", api_key="bench", max_retries=0, http_client=http)
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(session(client, "model", first_message(count, i), args.turns, args.max_tokens, run) for i in range(count))
+        )
+        run.seconds = time.perf_counter() - start
+    return run
+
+
+def concurrent_sessions(args: argparse.Namespace) -> None:
+    counts = [int(c) for c in args.sessions.split(",")]
+    label = f"server {args.server}" if args.server else f"tokentape in-process, parallel {args.parallel or 'default'}"
+    print(
+        f"{label}: F32 SmolLM2-135M, F32 KV, {args.threads} thread(s), greedy, {args.turns} turns x up to "
+        f"{args.max_tokens} tokens per session"
+    )
+    print(f"{'sessions':>8} {'tok/s':>8} {'turn p50 s':>9} {'p90 s':>7} {'spared':>8} {'spared/turn':>12}", flush=True)
+    if args.server:
+        asyncio.run(sessions_on_server(1, args, tag=0))  # warm up
+        for count in counts:
+            print(asyncio.run(sessions_on_server(count, args)).row(count), flush=True)
+    else:
+        asyncio.run(_in_process(counts, args))
+
+
+async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
+    from tokentape.client import InProcessGateway
+    from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
+    from tokentape.runtime import RuntimeSettings, build_gateway
+    from tokentape.train.weights import f32_gguf
+
+    path = f32_gguf(embedded_model_path())
+    options: dict[str, Any] = {"parallel": args.parallel} if args.parallel else {}
+    engine = LlamaCppEngine(
+        LlamaCppSettings(model_path=path, context_length=2048, threads=args.threads, kv_cache_f32=True, **options)
+    )
+    core, name = build_gateway(RuntimeSettings(model_path=path, context_length=2048), engine=engine)
+    gateway = InProcessGateway(gateway=core, model=name or "policy")
+    try:
+        await sessions_in_process(1, args, gateway, engine, tag=0)  # warm up
+        for count in counts:
+            print((await sessions_in_process(count, args, gateway, engine)).row(count), flush=True)
+    finally:
+        await gateway.aclose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--sessions", help="concurrent multi-turn sessions, e.g. 1,4,16,64")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=0, help="the engine's parallel setting (0: its default)")
+    parser.add_argument("--server", help="an OpenAI-compatible server to run the sessions against instead")
     args = parser.parse_args()
+    if args.sessions:
+        concurrent_sessions(args)
+        return
 
     import llama_cpp
 

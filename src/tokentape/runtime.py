@@ -48,6 +48,7 @@ class RuntimeSettings:
     tokenizer_dir: Path | None = None  # a Hugging Face model directory; None: the GGUF's own tokenizer
     context_length: int = 8192
     threads: int = 0
+    parallel: int = 0  # the embedded engine's generations decoded together; 0: its default
     rewrite_policy: RewritePolicy = "tape"
     served_model_name: str | None = None
     store_path: str = ":memory:"  # a file keeps every turn across restarts
@@ -96,7 +97,12 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
         gateway = Gateway(router, renderer, registry, max_active=settings.max_active)
         return gateway, settings.served_model_name
     engine = LlamaCppEngine(
-        LlamaCppSettings(model_path=path, context_length=settings.context_length, threads=settings.threads)
+        LlamaCppSettings(
+            model_path=path,
+            context_length=settings.context_length,
+            threads=settings.threads,
+            parallel=settings.parallel,
+        )
     )
     if renderer.tokenizer.vocab_size > engine.vocab_size:
         raise InvalidRequest(

@@ -119,7 +119,10 @@ async def test_closing_the_stream_aborts_within_a_token(engine: LlamaCppEngine, 
     assert engine.tokens_generated - handed_over == 3  # what reached the caller, counted as it did
 
 
-async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngine, renderer: Renderer) -> None:
+async def test_concurrent_generations_match_sequential_ones(model_path: Path, renderer: Renderer) -> None:
+    # exactly, on the serial engine (parallel 1); batched generations of the quantized model differ from
+    # sequential ones by llama.cpp's activation quantization: test_llamacpp_batching bounds them on F32
+    engine = LlamaCppEngine(LlamaCppSettings(model_path=model_path, context_length=1024, parallel=1))
     prompts = [
         renderer.prompt([{"role": "user", "content": q}], RenderOptions()).tokens
         for q in ("Hi!", "What is 2+2?", "Tell me a joke.")
@@ -127,6 +130,7 @@ async def test_concurrent_generations_match_sequential_ones(engine: LlamaCppEngi
     params = SamplingParams(temperature=0.9, max_tokens=12)
     sequential = [await _generate(engine, p, params, 3) for p in prompts]
     concurrent = await asyncio.gather(*(_generate(engine, p, params, 3) for p in prompts))
+    await engine.close()
     assert list(concurrent) == sequential
 
 

@@ -42,6 +42,10 @@ def serve(
     threads: Annotated[
         int, typer.Option(help="CPU threads for the embedded engine. 0: all cores but one (ggml busy-waits).")
     ] = 0,
+    parallel: Annotated[
+        int,
+        typer.Option(min=0, help="Generations the embedded engine decodes together (continuous batching). 0: 16."),
+    ] = 0,
     rewrite_policy: Annotated[
         str,
         typer.Option(
@@ -157,6 +161,7 @@ def serve(
         engines=tuple(engine or ()),
         context_length=context_length,
         threads=threads,
+        parallel=parallel,
         rewrite_policy=check_policy(rewrite_policy),
         served_model_name=served_model_name,
         store_path=store,

@@ -1,17 +1,18 @@
 """The embedded engine: llama.cpp on the CPU through llama-cpp-python, driven token by token.
 
-One model instance generates one choice at a time on its own thread, so the event loop stays free
-and concurrent requests queue instead of corrupting each other's KV cache. The prompt is given as
-token IDs; the KV cache is reused for the longest prefix shared with the previous generation (which
-is what makes multi-turn sessions cheap). Sampling is done here, in numpy, not by llama.cpp's
-sampler, so that the recorded logprob is the one the token was drawn from.
+Generations are decoded together (continuous batching, `engines.batching`): up to `parallel` of them
+per llama.cpp batch on one worker thread, so the event loop stays free and every generation has its
+own sequence in a KV cache they share. Prompts are given as token IDs; a KV slot per session keeps
+its prefix between turns, so a session's next turn prefills only its new tokens (`engines.slots`).
+Sampling is done here, in numpy, not by llama.cpp's sampler, so that the recorded logprob is the one
+the token was drawn from, for that generation's row of logits.
 
 Its weights change under a live gateway (the `engines.weights` seam): a LoRA adapter in GGUF form is
 swapped onto the loaded base model (a new adapter object per update, set on the context before the
 old one is freed; no reload), or a whole GGUF of the same architecture and vocabulary replaces the
-model. Every step runs on the engine's one worker thread, between generations, so no generation ever
-sees half an update. The cached prefix remembers the weights version that computed it and is reused
-only under the same version (unless the update asked to keep the old KV).
+model. Every step runs on the worker thread once the generations queued before it have ended, so no
+generation ever sees half an update. Each slot remembers the weights version that computed its KV,
+which is reused only under the same version (unless the update asked to keep the old KV).
 """
 
 from __future__ import annotations
@@ -23,26 +24,25 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
+from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
-from tokentape.engines.sampler import sample_token
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
-if TYPE_CHECKING:
-    import llama_cpp
+__all__ = ["DEFAULT_PARALLEL", "LlamaCppEngine", "LlamaCppSettings", "all_threads", "default_threads"]
 
-__all__ = ["LlamaCppEngine", "LlamaCppSettings", "default_threads"]
-
-_DONE = object()
+# Sequences decoded together. On a CPU a step's cost grows with the batch far slower than linearly
+# (the weights are read once per step), up to where the matmuls become compute-bound.
+DEFAULT_PARALLEL = 16
+_MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: KV slots, running or cached
 
 
 def default_threads() -> int:
@@ -51,10 +51,21 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+def all_threads() -> int:
+    """Every core: for a phase in which nothing else in the process competes for them."""
+    return max(1, os.cpu_count() or 1)
+
+
+def default_cache_tokens(context_length: int, parallel: int) -> int:
+    """KV cells shared by every slot: room for one full context, or for `parallel` sessions of 1k
+    tokens each, up to four contexts' worth (the memory of four single-sequence contexts)."""
+    return max(context_length, min(4 * context_length, parallel * 1024))
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaCppSettings:
     model_path: Path
-    context_length: int = 8192
+    context_length: int = 8192  # per sequence: prompt + generation
     threads: int = 0  # 0: default_threads()
     batch_size: int = 512
     # Flash attention stays off on the CPU: on, it moved logprobs by up to 0.1 nats.
@@ -62,6 +73,8 @@ class LlamaCppSettings:
     # An F32 KV cache (llama.cpp's default is F16): with F32 weights, logprobs then agree with an F32
     # torch forward to ~1e-5 nats instead of ~2e-3 (a trainer's importance ratios need that)
     kv_cache_f32: bool = False
+    parallel: int = 0  # generations decoded together; 0: DEFAULT_PARALLEL
+    cache_tokens: int = 0  # KV cells shared by all sequences; 0: default_cache_tokens()
 
 
 class LlamaCppEngine:
@@ -72,41 +85,54 @@ class LlamaCppEngine:
 
         self._lib = llama_cpp
         self.settings = settings
-        self._llama = self._open(settings.model_path)
-        vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
-        n_vocab = self._llama.n_vocab()
-        self.vocab_size: int = n_vocab
-        self._end_of_turn = frozenset(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        self.parallel = settings.parallel or DEFAULT_PARALLEL
+        self.context_length = settings.context_length
+        self.cache_tokens = settings.cache_tokens or default_cache_tokens(settings.context_length, self.parallel)
+        if self.parallel < 1 or self.cache_tokens < self.context_length:
+            raise ValueError("parallel must be >= 1 and the KV cache must hold at least one context")
+        # KV slots, running or cached for a session's next turn. parallel 1 keeps one slot: the engine
+        # as it was before batching, one cached prefix whose cells always start at the cache's first,
+        # so its logprobs are bit for bit those of a context of its own.
+        self._sequences = 1 if self.parallel == 1 else min(_MAX_SEQUENCES, max(4 * self.parallel, 32))
+        self.threads = settings.threads or default_threads()
+        native = self._open(settings.model_path)
+        vocab = llama_cpp.llama_model_get_vocab(native.model)
+        self.vocab_size: int = native.n_vocab
+        self._end_of_turn = frozenset(t for t in range(native.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
         self.model_id = settings.model_path.stem
         # the weights: the model file loaded, the adapter set on it (if any), and their version
         self.model_path = settings.model_path
         self.adapter_path: Path | None = None
         self._adapter: Any = None  # llama_adapter_lora_p
         self.weights_version = 0
-        self._cache_version = 0  # the weights version that computed the cached prefix
         self._model_header: GGUFHeader | None = None  # read on the first check
         self.swap_seconds: float | None = None  # how long the last load took
-        self.context_length = self._llama.n_ctx()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self.waiting = 0  # generations queued or running
         self._counting = threading.Lock()
         self.tokens_generated = 0  # every token handed over since start, aborted generations included
-        self.tokens_sampled = 0  # every token the worker sampled, also one sampled as its generation closed
-
-    def _open(self, path: Path) -> llama_cpp.Llama:
-        threads = self.settings.threads or default_threads()
-        llama: llama_cpp.Llama = self._lib.Llama(
-            str(path),
-            n_ctx=self.settings.context_length,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=self.settings.batch_size,
-            flash_attn=self.settings.flash_attention,
-            verbose=False,
-            type_k=0 if self.settings.kv_cache_f32 else None,  # GGML_TYPE_F32; None: llama.cpp's F16
-            type_v=0 if self.settings.kv_cache_f32 else None,
+        self._batcher = Batcher(
+            native,
+            parallel=self.parallel,
+            sequences=self._sequences,
+            make_mask=lambda n, grammar: _GrammarMask(self._lib, n, grammar),
+            on_finish=self._finished,
         )
-        return llama
+
+    @property
+    def tokens_sampled(self) -> int:
+        """Every token the worker sampled, also one sampled as its generation closed."""
+        return self._batcher.tokens_sampled
+
+    def _open(self, path: Path) -> Native:
+        settings = NativeSettings(
+            threads=self.threads,
+            batch_size=self.settings.batch_size,
+            cache_tokens=self.cache_tokens,
+            sequences=self._sequences,
+            flash_attention=self.settings.flash_attention,
+            kv_cache_f32=self.settings.kv_cache_f32,
+        )
+        return Native(self._lib, path, settings)
 
     async def generate(
         self,
@@ -133,13 +159,26 @@ class LlamaCppEngine:
             with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        room = self.context_length - len(prompt)
+        generation = Generation(
+            tokens=list(prompt),
+            params=params,
+            rng=np.random.default_rng(seed),
+            session=session_id,
+            grammar=grammar,
+            cancel=cancel,
+            emit=emit,
+            stop_ids=self._end_of_turn | frozenset(params.stop_token_ids),
+            limit=room if params.max_tokens is None else min(params.max_tokens, room),
+            mode=logprob_mode(params, scaled=True),  # the sampler records logits / temperature, untruncated
+        )
         with self._counting:
             self.waiting += 1
-        loop.run_in_executor(self._executor, self._run, list(prompt), params, seed, grammar, cancel, emit)
+        self._batcher.submit(generation)
         try:
             while True:
                 item = await queue.get()
-                if item is _DONE:
+                if item is DONE:
                     break
                 if isinstance(item, InvalidRequest):
                     raise item
@@ -151,7 +190,21 @@ class LlamaCppEngine:
                 self.tokens_generated += 1
                 yield item
         finally:
-            cancel.set()  # the worker stops before its next token; the executor stays serial
+            cancel.set()  # the worker drops it before its next step
+
+    def _finished(self, generation: Generation) -> None:
+        generation.emit(DONE)
+        with self._counting:  # counted here, not on the caller's loop, which may be gone by now
+            self.waiting -= 1
+
+    async def _on_worker(self, run: Callable[[], Any]) -> Any:
+        """Run `run` on the worker thread once every generation submitted before it has ended."""
+        return await asyncio.wrap_future(self._batcher.call(run))
+
+    def set_threads(self, threads: int) -> None:
+        """Threads for the steps from the next one on (e.g. every core while nothing else computes)."""
+        self.threads = max(1, threads)
+        self._batcher.request_threads(self.threads)
 
     @staticmethod
     def grammar_text(constraint: Constraint) -> str:
@@ -170,97 +223,26 @@ class LlamaCppEngine:
             param="response_format",
         )
 
-    def _run(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        seed: int | None,
-        grammar: str | None,
-        cancel: threading.Event,
-        emit: Callable[[object], None],
-    ) -> None:
-        try:
-            if not cancel.is_set():
-                self._generate_blocking(prompt, params, seed, grammar, cancel, emit)
-        except Exception as exc:  # reported to the waiting coroutine, never lost in the thread
-            emit(exc)
-        finally:
-            emit(_DONE)
-            with self._counting:  # counted here, not on the caller's loop, which may be gone by now
-                self.waiting -= 1
-
-    def _generate_blocking(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        seed: int | None,
-        grammar: str | None,
-        cancel: threading.Event,
-        emit: Callable[[object], None],
-    ) -> None:
-        llama = self._llama
-        rng = np.random.default_rng(seed)
-        stop_ids = self._end_of_turn | frozenset(params.stop_token_ids)
-        room = self.context_length - len(prompt)
-        limit = room if params.max_tokens is None else min(params.max_tokens, room)
-        mode = logprob_mode(params, scaled=True)  # the sampler records logits / temperature, untruncated
-        mask = _GrammarMask(self._lib, self._llama, grammar) if grammar is not None else None
-        try:
-            logits = self._prefill(prompt)
-            for _ in range(limit):
-                if cancel.is_set():
-                    return
-                if mask is not None:
-                    logits = mask.apply(logits)
-                    if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
-                        return
-                token, logprob, top = sample_token(logits, params, rng)
-                self.tokens_sampled += 1
-                emit(SampledToken(token, logprob, tuple((t, lp) for t, lp in top if np.isfinite(lp)), mode))
-                if token in stop_ids:
-                    return
-                if mask is not None:
-                    mask.accept(token)
-                llama.eval([token])
-                logits = self._last_logits()
-        finally:
-            if mask is not None:
-                mask.close()
-
-    def _prefill(self, prompt: list[int]) -> np.ndarray:
-        """Evaluate the prompt, reusing the KV cache for the prefix shared with the last call."""
-        llama = self._llama
-        cached = llama.input_ids[: llama.n_tokens]
-        shared = 0
-        for a, b in zip(cached, prompt, strict=False):
-            if a != b:
-                break
-            shared += 1
-        shared = min(shared, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
-        if self._cache_version != self.weights_version:  # computed under other weights: never reused
-            shared = 0
-            self._cache_version = self.weights_version
-        if shared > 0 and llama._ctx.kv_cache_seq_rm(-1, shared, -1):
-            llama.n_tokens = shared
-        else:
-            llama.reset()  # type: ignore[no-untyped-call]
-            shared = 0
-        llama.eval(prompt[shared:])
-        return self._last_logits()
-
-    def _last_logits(self) -> np.ndarray:
-        pointer = self._lib.llama_get_logits_ith(self._llama.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self._llama.n_vocab(),)).copy()
-
     def describe(self) -> dict[str, Any]:
+        batcher = self._batcher
         return {
             "kind": "llama.cpp",
             "model": self.model_id,
             "context_length": self.context_length,
             "flash_attention": self.settings.flash_attention,
+            "parallel": self.parallel,
+            "cache_tokens": self.cache_tokens,
+            "threads": self.threads,
             "waiting": self.waiting,
+            "running": len(batcher.active),
             "tokens_generated": self.tokens_generated,
             "tokens_sampled": self.tokens_sampled,
+            # prompt tokens of every generation, and how many of them a cached slot spared computing
+            "prompt_tokens": batcher.prompt_tokens,
+            "prefill_tokens_saved": batcher.prefill_tokens_saved,
+            "steps": batcher.steps,
+            "mean_batch": round(batcher.batched_sequences / batcher.steps, 2) if batcher.steps else 0.0,
+            "preempted": batcher.preempted,
             "weights_version": self.weights_version,
             "adapter": None if self.adapter_path is None else str(self.adapter_path),
             "model_file": str(self.model_path),
@@ -314,32 +296,28 @@ class LlamaCppEngine:
         return WeightSource("model", str(self.settings.model_path))
 
     async def pause_generation(self, in_flight: InFlight) -> None:
-        """The gateway has closed every running generation; wait until the worker has finished them
-        (the executor is serial: a no-op runs after everything queued before it)."""
-        await asyncio.get_running_loop().run_in_executor(self._executor, lambda: None)
+        """The gateway has closed every running generation; wait until the worker has dropped them
+        (a command runs once every generation submitted before it has ended)."""
+        await self._on_worker(lambda: None)
 
     async def load_weights(self, source: WeightSource, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_blocking, source, version)
+        await self._on_worker(lambda: self._load_blocking(source, version))
 
     async def resume_generation(self, *, fresh_kv: bool) -> None:
-        if not fresh_kv:  # keep: the prefix the old weights computed may be reused under the new ones
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._adopt_cache)
-
-    def _adopt_cache(self) -> None:
-        self._cache_version = self.weights_version
+        # keep: the prefixes the old weights computed may be reused under the new ones; else they go
+        await self._on_worker(self._batcher.drop_stale if fresh_kv else self._batcher.adopt_cache)
 
     async def probe_weights(self) -> None:
         """One forward pass of the loaded weights on a scratch context (the model and the adapter the
-        main context uses), so that the main context's cached prefix survives for `keep`."""
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._probe_blocking)
+        main context uses), so that the main context's cached prefixes survive for `keep`."""
+        await self._on_worker(self._probe_blocking)
 
     def _probe_blocking(self) -> None:
         lib = self._lib
         params = lib.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = 8
-        params.n_threads = params.n_threads_batch = self.settings.threads or default_threads()
-        ctx = lib.llama_init_from_model(self._llama.model, params)
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = lib.llama_init_from_model(self._batcher.native.model, params)
         if not ctx:
             raise WeightUpdateFailed("llama.cpp could not create a context for the probe")
         try:
@@ -367,17 +345,17 @@ class LlamaCppEngine:
             self._swap_model(path)
         else:
             raise WeightUpdateFailed(f"the embedded engine cannot load {source.kind} weights")
-        self.weights_version = version
+        self.weights_version = self._batcher.version = version
         self.swap_seconds = time.perf_counter() - started
 
     def _swap_adapter(self, path: Path) -> None:
-        lib = self._lib
-        adapter = lib.llama_adapter_lora_init(self._llama.model, str(path).encode())
+        lib, native = self._lib, self._batcher.native
+        adapter = lib.llama_adapter_lora_init(native.model, str(path).encode())
         if not adapter:
             raise WeightUpdateFailed(f"llama.cpp could not load the adapter {path}")
         adapters = (lib.llama_adapter_lora_p_ctypes * 1)(adapter)
         scales = (ctypes.c_float * 1)(1.0)
-        if lib.llama_set_adapters_lora(self._llama.ctx, adapters, 1, scales) != 0:
+        if lib.llama_set_adapters_lora(native.ctx, adapters, 1, scales) != 0:
             lib.llama_adapter_lora_free(adapter)
             raise WeightUpdateFailed(f"llama.cpp could not set the adapter {path} on the context")
         old, self._adapter, self.adapter_path = self._adapter, adapter, path
@@ -386,13 +364,14 @@ class LlamaCppEngine:
 
     def _swap_model(self, path: Path) -> None:
         try:
-            llama = self._open(path)
+            native = self._open(path)
         except (ValueError, RuntimeError, OSError) as exc:
             raise WeightUpdateFailed(f"llama.cpp could not load the model {path}: {exc}") from exc
-        if llama.n_vocab() != self.vocab_size or llama.n_ctx() != self.context_length:
-            llama.close()
-            raise WeightUpdateFailed(f"{path} loaded with another vocabulary size or context length")
-        old, self._llama = self._llama, llama
+        if native.n_vocab != self.vocab_size:
+            native.close()
+            raise WeightUpdateFailed(f"{path} loaded with another vocabulary size")
+        old, self._batcher.native = self._batcher.native, native
+        self._batcher.reset_slots()  # the new context's cache is empty
         self._free_adapter()  # belongs to the old model, freed before it
         old.close()
         self.model_path, self._model_header = path, None
@@ -403,9 +382,9 @@ class LlamaCppEngine:
         self._adapter, self.adapter_path = None, None
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._batcher.close)
         self._free_adapter()
-        self._llama.close()
+        self._batcher.native.close()
 
 
 def _check_adapter_tensors(path: Path, adapter: GGUFHeader, base: GGUFHeader) -> None:
@@ -440,17 +419,16 @@ class _GrammarMask:
     leave the grammar to -inf, and our own sampler draws from what is left (so the recorded logprob is
     the constrained distribution's). After the grammar is complete only end-of-turn tokens remain."""
 
-    def __init__(self, lib: Any, llama: Any, grammar: str) -> None:
+    def __init__(self, lib: Any, native: Native, grammar: str) -> None:
         self._lib = lib
-        vocab = lib.llama_model_get_vocab(llama.model)
+        vocab = lib.llama_model_get_vocab(native.model)
         self._sampler = lib.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
         if not self._sampler:
             raise InvalidRequest("the grammar does not parse", param="grammar")
-        n_vocab = llama.n_vocab()
-        self._data = (lib.llama_token_data * n_vocab)()
+        self._data = (lib.llama_token_data * native.n_vocab)()
         self._view = np.ctypeslib.as_array(self._data)  # a structured view: id, logit, p
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self._array = lib.llama_token_data_array(data=self._data, size=n_vocab, selected=-1, sorted=False)
+        self._ids = np.arange(native.n_vocab, dtype=np.int32)
+        self._array = lib.llama_token_data_array(data=self._data, size=native.n_vocab, selected=-1, sorted=False)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         self._view["id"] = self._ids

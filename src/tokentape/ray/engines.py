@@ -176,7 +176,12 @@ class EmbeddedEngine:
 
         path = runtime.model_path or embedded_model_path()
         self.engine = LlamaCppEngine(
-            LlamaCppSettings(model_path=path, context_length=runtime.context_length, threads=runtime.threads)
+            LlamaCppSettings(
+                model_path=path,
+                context_length=runtime.context_length,
+                threads=runtime.threads,
+                parallel=runtime.parallel,
+            )
         )
         self.sources: dict[int, WeightSource] = {}  # what each version loaded, for a restore
 

@@ -43,7 +43,7 @@ class TrainConfig:
     max_staleness: int = 1  # turns sampled more versions ago than this are left out of the loss
     weights: Literal["f32", "q4_1"] = "f32"
     context_length: int = 1024
-    concurrency: int = 4
+    concurrency: int = 16  # episodes in flight: the engine decodes them together, one batch a step
     seed: int = 0
     out: Path = Path("runs/train")
     measure_base: bool = False  # also |engine - base policy| each step (one more forward)

@@ -1,0 +1,432 @@
+"""Continuous batching for the embedded engine: one worker thread decodes up to `parallel` generations
+together, one llama.cpp batch per step, each generation its own sequence id in a KV cache they share.
+
+A step feeds every running generation's pending tokens (one sampled token each, or a chunk of a new
+prompt) in one `llama_decode`, then samples each generation's next token from its own row of logits
+(in numpy: the recorded logprob is the distribution the token was drawn from). Generations join and
+leave at step boundaries; a cancelled one leaves before the next step. Commands (a weight update, a
+probe) run between steps once every generation queued before them has ended, so none ever sees half
+an update, exactly as with a serial worker. KV slots outlive their generation: a session's next turn
+skips the prefix its slot still holds (`slots.SlotTable`). When the cache is full, the least recently
+used idle slot is emptied; if none is idle, the generation that joined last gives its KV back and
+waits to be recomputed (its sampled tokens, its random state and its grammar state kept), so one
+client's long turn never fails another's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.base import LogprobMode, SampledToken
+from tokentape.engines.sampler import sample_token
+from tokentape.engines.slots import SlotTable, shared_prefix
+from tokentape.errors import InvalidRequest
+
+__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "DONE"]
+
+DONE = object()  # the last item a generation's listener gets
+_CLOSE = object()
+# a prompt that would share at least this many more tokens with one being prefilled waits one step for it
+_WAIT_FOR_SHARED = 16
+
+
+@dataclass(frozen=True, slots=True)
+class NativeSettings:
+    threads: int
+    batch_size: int
+    cache_tokens: int  # KV cells shared by all sequences
+    sequences: int  # sequence ids (KV slots)
+    flash_attention: bool
+    kv_cache_f32: bool
+
+
+class Native:
+    """A llama.cpp model and one context over it whose KV cache holds many sequences."""
+
+    def __init__(self, lib: Any, path: Path, settings: NativeSettings) -> None:
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own chatter
+        lib.llama_backend_init()
+        self._lib = lib
+        params = lib.llama_model_default_params()
+        # No repacked weights (llama.cpp's extra buffer types: AMX tiles, interleaved Q4_0): another
+        # kernel, so another rounding than a reference context computes; on a CPU with AMX, llama.cpp
+        # 0.3.36's AMX matmul of the shipped Q4_1 weights crashed. F32 and Q4_1 run as before elsewhere.
+        params.use_extra_bufts = False
+        self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        self.ctx = None
+        try:
+            self.ctx = lib.llama_init_from_model(self.model, self._context_params(settings))
+            if not self.ctx:
+                raise ValueError(f"llama.cpp could not create a context for {path}")
+        except BaseException:
+            self.close()
+            raise
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_vocab: int = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch_size = settings.batch_size
+        self._batch = lib.llama_batch_init(settings.batch_size, 0, 1)
+
+    def _context_params(self, settings: NativeSettings) -> Any:
+        lib = self._lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = settings.cache_tokens
+        params.n_batch = params.n_ubatch = settings.batch_size
+        params.n_seq_max = settings.sequences
+        params.kv_unified = True  # one pool of cells: a sequence may grow to the whole context
+        params.n_threads = params.n_threads_batch = settings.threads
+        params.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        if settings.kv_cache_f32:
+            params.type_k = params.type_v = 0  # GGML_TYPE_F32; else llama.cpp's F16
+        return params
+
+    def decode(self, tokens: list[tuple[int, int, int, bool]]) -> int:
+        """Evaluate (token, position, sequence id, wants logits) rows; llama_decode's status."""
+        batch = self._batch
+        batch.n_tokens = len(tokens)
+        for i, (token, position, seq_id, logits) in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = logits
+        return int(self._lib.llama_decode(self.ctx, batch))
+
+    def logits(self, row: int) -> np.ndarray:
+        pointer = self._lib.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+
+    def cut(self, seq_id: int, start: int) -> None:
+        """Drop the sequence's KV from position `start` on."""
+        self._lib.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Give `target` the first `length` positions of `source` (the cells are shared, not copied)."""
+        self._lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
+
+    def set_threads(self, threads: int) -> None:
+        self._lib.llama_set_n_threads(self.ctx, threads, threads)
+
+    def close(self) -> None:
+        lib = self._lib
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lib.llama_model_free(self.model)
+            self.model = None
+
+
+@dataclass(eq=False)
+class Generation:
+    """One choice being generated: its tokens so far and everything its sampling needs."""
+
+    tokens: list[int]  # the prompt, then every token sampled (the last one not yet in the KV)
+    params: SamplingParams
+    rng: np.random.Generator
+    session: str | None
+    grammar: str | None
+    cancel: threading.Event
+    emit: Callable[[object], None]
+    stop_ids: frozenset[int]
+    limit: int  # tokens it may sample
+    mode: LogprobMode
+    mask: Any = None  # a _GrammarMask, made on the worker
+    slot: Any = None  # its slots.Slot while it runs
+    fed: int = 0  # how many of `tokens` its slot's KV holds
+    sampled: int = 0
+    admitted: int = 0  # the step it joined at (the last to join gives its KV back first)
+    reused: list[int] = field(default_factory=list)  # prompt tokens taken from the cache, per admission
+
+
+@dataclass(eq=False)
+class _Command:
+    run: Callable[[], Any]
+    done: Future[Any]
+
+
+class Batcher:
+    """The worker thread and its state; every method but `submit`, `call`, `close` runs on it."""
+
+    def __init__(
+        self,
+        native: Native,
+        *,
+        parallel: int,
+        sequences: int,
+        make_mask: Callable[[Native, str], Any],
+        on_finish: Callable[[Generation], None],
+    ) -> None:
+        self.native = native
+        self.parallel = parallel
+        self.slots = SlotTable(sequences)
+        self.version = 0  # the weights version new KV is computed under
+        self._make_mask = make_mask
+        self._on_finish = on_finish
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pending: list[Generation | _Command] = []
+        self.active: list[Generation] = []
+        self._steps = 0
+        # counters (read by describe(); written here only)
+        self.tokens_sampled = 0
+        self.prompt_tokens = 0  # prompt tokens of every admission
+        self.prefill_tokens_saved = 0  # of those, taken from a cached slot instead of computed
+        self.steps = 0
+        self.batched_sequences = 0  # sequences sampled from, summed over steps: / steps = mean batch
+        self.preempted = 0
+        self._threads: int | None = None
+        self._thread = threading.Thread(target=self._work, name="llamacpp", daemon=True)
+        self._thread.start()
+
+    # -- from any thread -------------------------------------------------------------------------------
+    def submit(self, generation: Generation) -> None:
+        self._inbox.put(generation)
+
+    def call(self, run: Callable[[], Any]) -> Future[Any]:
+        """Run `run` on the worker once every generation submitted before has ended; its result."""
+        done: Future[Any] = Future()
+        self._inbox.put(_Command(run, done))
+        return done
+
+    def request_threads(self, threads: int) -> None:
+        self._threads = threads  # applied by the worker before its next step
+
+    def close(self) -> None:
+        self._inbox.put(_CLOSE)
+        self._thread.join()
+
+    # -- the worker ------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            if not self.active and not self._pending:
+                item = self._inbox.get()  # idle: sleep until something comes
+                if item is _CLOSE:
+                    break
+                self._pending.append(item)  # type: ignore[arg-type]
+            closing = self._drain()
+            self._admit()
+            if self._threads is not None:
+                self.native.set_threads(self._threads)
+                self._threads = None
+            if self.active:
+                self._step()
+            if closing:
+                break
+        for generation in [*self.active, *(p for p in self._pending if isinstance(p, Generation))]:
+            self._finish(generation)
+        for command in self._pending:
+            if isinstance(command, _Command):
+                command.done.cancel()
+
+    def _drain(self) -> bool:
+        closing = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return closing
+            if item is _CLOSE:
+                closing = True
+            else:
+                self._pending.append(item)  # type: ignore[arg-type]
+
+    def _admit(self) -> None:
+        index = 0
+        while index < len(self._pending):
+            item = self._pending[index]
+            if isinstance(item, _Command):
+                if self.active:
+                    return  # a barrier: what was submitted before it must end first
+                del self._pending[index]
+                try:
+                    item.done.set_result(item.run())
+                except BaseException as exc:  # handed to the caller
+                    item.done.set_exception(exc)
+                continue
+            if item.cancel.is_set() or item.sampled >= item.limit:
+                del self._pending[index]
+                self._finish(item)
+                continue
+            if len(self.active) >= self.parallel:
+                return
+            if self._worth_waiting(item):
+                index += 1
+                continue
+            del self._pending[index]
+            self._start(item)
+
+    def _worth_waiting(self, generation: Generation) -> bool:
+        """Whether a running generation will soon hold in its KV a longer prefix of this one's prompt
+        than any slot holds now (n > 1 choices of one prompt, episodes on one question): then it joins
+        a step later and copies that prefix instead of computing it again."""
+        _, cached = self.slots.best_source(generation.tokens, self.version)
+        for other in self.active:
+            could = min(shared_prefix(other.tokens, generation.tokens), len(generation.tokens) - 1)
+            if could >= max(cached, other.fed) + _WAIT_FOR_SHARED:
+                return True
+        return False
+
+    def _start(self, generation: Generation) -> None:
+        if generation.grammar is not None and generation.mask is None:
+            try:
+                generation.mask = self._make_mask(self.native, generation.grammar)
+            except InvalidRequest as exc:
+                generation.emit(exc)
+                self._finish(generation)
+                return
+        assignment = self.slots.assign(generation.tokens, generation.session, self.version)
+        assert assignment is not None  # fewer generations run than there are slots
+        slot = assignment.slot
+        self.native.cut(slot.seq_id, assignment.keep)
+        if assignment.source is not None:
+            self.native.cut(slot.seq_id, 0)
+            self.native.copy(assignment.source.seq_id, slot.seq_id, assignment.copy)
+        generation.slot = slot
+        generation.fed = assignment.reused
+        generation.admitted = self._steps
+        generation.reused.append(assignment.reused)
+        if not generation.sampled:  # a generation given back and recomputed counts its prompt once
+            self.prompt_tokens += len(generation.tokens)
+            self.prefill_tokens_saved += assignment.reused
+        self.active.append(generation)
+
+    def _finish(self, generation: Generation) -> None:
+        if generation in self.active:
+            self.active.remove(generation)
+        if generation.slot is not None:
+            self.slots.release(generation.slot)
+            generation.slot = None
+        if generation.mask is not None:
+            generation.mask.close()
+            generation.mask = None
+        self._on_finish(generation)
+
+    def _give_back(self, generation: Generation) -> None:
+        """Free the KV of a running generation; it waits at the front of the queue to be recomputed."""
+        slot = generation.slot
+        self.native.cut(slot.seq_id, 0)
+        slot.tokens = []
+        self.slots.release(slot)
+        generation.slot = None
+        generation.fed = 0
+        self.active.remove(generation)
+        self._pending.insert(0, generation)
+        self.preempted += 1
+
+    def _step(self) -> None:
+        self._steps += 1
+        for generation in [g for g in self.active if g.cancel.is_set()]:
+            self._finish(generation)  # at a token boundary: it samples nothing more
+        while self.active:
+            rows, outputs = self._plan()
+            status = self.native.decode(rows)
+            if status == 0:
+                self._after(rows, outputs)
+                return
+            if status != 1 or not self._make_room():
+                self._fail(RuntimeError(f"llama_decode returned {status}"))
+                return
+            # the cache was full: an idle slot was emptied or a generation gave its KV back; again
+
+    def _after(self, rows: list[tuple[int, int, int, bool]], outputs: list[tuple[Generation, int]]) -> None:
+        self.steps += 1
+        self.batched_sequences += len(outputs)
+        fed: dict[int, int] = {}
+        for _, _, seq_id, _ in rows:
+            fed[seq_id] = fed.get(seq_id, 0) + 1
+        for generation in self.active:
+            generation.fed += fed.get(generation.slot.seq_id, 0)
+            generation.slot.tokens = generation.tokens[: generation.fed]
+        for generation, row in outputs:
+            self._sample(generation, self.native.logits(row))
+
+    def _fail(self, failure: Exception) -> None:
+        for generation in list(self.active):
+            self.native.cut(generation.slot.seq_id, 0)  # what the failed call left there is unknown
+            generation.slot.tokens = []
+            generation.emit(failure)
+            self._finish(generation)
+
+    def _plan(self) -> tuple[list[tuple[int, int, int, bool]], list[tuple[Generation, int]]]:
+        """This step's rows: every generation's pending tokens, the decoding ones (one token) first,
+        prompts in chunks filling what is left of the batch."""
+        rows: list[tuple[int, int, int, bool]] = []
+        outputs: list[tuple[Generation, int]] = []
+        room = self.native.batch_size
+        for generation in sorted(self.active, key=lambda g: len(g.tokens) - g.fed):
+            count = min(room, len(generation.tokens) - generation.fed)
+            if count <= 0:
+                break
+            start, seq_id = generation.fed, generation.slot.seq_id
+            for position in range(start, start + count):
+                last = position == len(generation.tokens) - 1
+                if last:
+                    outputs.append((generation, len(rows)))
+                rows.append((generation.tokens[position], position, seq_id, last))
+            room -= count
+        return rows, outputs
+
+    def _make_room(self) -> bool:
+        slot = self.slots.evict()
+        if slot is not None:
+            self.native.cut(slot.seq_id, 0)
+            return True
+        if len(self.active) > 1:
+            self._give_back(max(self.active, key=lambda g: g.admitted))
+            return True
+        return False
+
+    def _sample(self, generation: Generation, logits: np.ndarray) -> None:
+        if generation.cancel.is_set():
+            self._finish(generation)
+            return
+        if generation.mask is not None:
+            logits = generation.mask.apply(logits)
+            if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
+                self._finish(generation)
+                return
+        token, logprob, top = sample_token(logits, generation.params, generation.rng)
+        self.tokens_sampled += 1
+        generation.sampled += 1
+        alternatives = tuple((t, lp) for t, lp in top if np.isfinite(lp))
+        generation.emit(SampledToken(token, logprob, alternatives, generation.mode))
+        if token in generation.stop_ids or generation.sampled >= generation.limit:
+            self._finish(generation)
+            return
+        if generation.mask is not None:
+            generation.mask.accept(token)
+        generation.tokens.append(token)
+
+    def reset_slots(self) -> None:
+        """Forget every slot's KV (a new context: another model was loaded)."""
+        for slot in self.slots.slots:
+            slot.tokens = []
+            slot.session = None
+
+    def drop_stale(self) -> None:
+        """Free the KV computed under other weights than the current ones (it is never reused)."""
+        for slot in self.slots.slots:
+            if slot.version != self.version and not slot.busy:
+                self.native.cut(slot.seq_id, 0)
+                slot.tokens = []
+
+    def adopt_cache(self) -> None:
+        """Mark every slot's KV as computed under the current weights (an update that said keep)."""
+        for slot in self.slots.slots:
+            slot.version = self.version
