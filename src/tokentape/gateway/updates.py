@@ -8,7 +8,9 @@ weights on every engine; resume the engines (dropping every cached prefix unless
 gateway still holds every generation, so nothing but the probe reaches them) and probe each with a
 fixed prompt (a paused vLLM or SGLang would hold the probe too); only if all of that succeeded, bump
 the version and release generation. On a failure the version stays, the
-error names the engine and why, and generation stays held until `/admin/resume` (refused while some
+error names the engine and why, every engine that had loaded the new weights loads the current ones
+again, every engine paused for the update is resumed and probed (a paused vLLM or SGLang would hold
+every later request), and generation stays held by the gateway's own gate until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
 again), or a new update. One update at a time: a second one while one runs is refused (409).
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
 QUIET_TIMEOUT = 30.0  # seconds running generations get to stop at a token boundary (a stuck client's stream)
+PROBE_TIMEOUT = 60.0  # seconds for the probe's one token (a cold remote engine's first forward included)
 PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
@@ -186,15 +189,19 @@ class WeightUpdater:
         lap("hold")
         previous = gate.version
         loaded: list[int] = []
+        paused: list[int] = []  # engines whose pause succeeded: resumed again whatever fails after it
+        resuming = probed = False
         try:
-            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight))
+            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight), paused)
             lap("pause")
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
             # engines resume before their probe: a paused vLLM or SGLang holds every request, the probe's
             # too. The gateway's own gate stays held, so nothing else reaches them until the switch.
+            resuming = True
             await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
             lap("resume")
+            probed = True
             await self._probe(engines)
             lap("probe")
         except UpdateFailed as exc:
@@ -206,6 +213,12 @@ class WeightUpdater:
                     message += f"; the engines that had loaded version {update.version} are back on {previous}"
                 except UpdateFailed as again:
                     message += f"; putting the old weights back failed too ({again.message})"
+            # a paused vLLM or SGLang holds every request until resumed, and /admin/resume releases only
+            # the gateway's gate: every engine paused here runs again (and answers a probe) before this
+            # returns. The gate stays held, so nothing but the probe reaches them. Only the probe
+            # computes anything under the new weights: before it, no cached prefix needs dropping.
+            again = [engines[i] for i in (range(len(engines)) if resuming else paused)]
+            message += await self._unpause(again, fresh_kv=probed)
             self.failure = _Failure(update.version, loaded, message)
             raise UpdateFailed(message) from exc
         gate.version = update.version
@@ -253,6 +266,18 @@ class WeightUpdater:
                 "generation stays held until POST /admin/resume or /admin/rollback"
             )
 
+    async def _unpause(self, engines: Sequence[tuple[str, UpdatableEngine]], *, fresh_kv: bool) -> str:
+        """After a failure: resume `engines` and probe them; what went wrong, as words to add to the
+        failure's message ("" when all run)."""
+        if not engines:
+            return ""
+        try:
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=fresh_kv))
+            await self._probe(engines)
+        except UpdateFailed as exc:
+            return f"; resuming the engines failed too ({exc.message})"
+        return ""
+
     async def _probe(self, engines: Sequence[tuple[str, UpdatableEngine]]) -> None:
         prompt = self.gateway.renderer.tokenizer.encode(PROBE_TEXT)
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -262,7 +287,13 @@ class WeightUpdater:
             if own is not None:  # the engine's own probe (the embedded one keeps its cached prefix)
                 await own()
                 return
-            tokens = [t async for t in engine.generate(prompt, params, seed=0)]
+            async def one_token() -> list[Any]:
+                return [t async for t in engine.generate(prompt, params, seed=0)]
+
+            try:  # a paused engine holds the probe: that is a failure to name, not a hang
+                tokens = await asyncio.wait_for(one_token(), PROBE_TIMEOUT)
+            except TimeoutError:
+                raise WeightUpdateFailed(f"the probe got no token within {PROBE_TIMEOUT:g} s (still paused?)") from None
             if len(tokens) != 1 or not math.isfinite(tokens[0].logprob):
                 raise WeightUpdateFailed(f"the probe prompt gave {tokens!r}")
 
