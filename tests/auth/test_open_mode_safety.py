@@ -22,8 +22,10 @@ from tokentape.server.middleware import GuardSettings
 
 @pytest.mark.parametrize(
     ("host", "expected"),
-    [("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("[::1]", True), ("localhost", True)]
-    + [("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("gateway.internal", False)],
+    [
+        *[("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("[::1]", True), ("localhost", True)],
+        *[("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("gateway.internal", False)],
+    ],
 )
 def test_only_loopback_addresses_count_as_this_machine(host: str, expected: bool) -> None:
     assert loopback(host) is expected

@@ -98,7 +98,7 @@ async def test_a_failed_update_leaves_the_remote_engines_resumed_and_serving(
     """Both engines refuse the load (nothing loaded, nothing to put back): both are resumed and probed
     before the 502, and after /admin/resume requests are served on both (the stand-ins hold every
     generation while paused, as vLLM and SGLang do: left paused, the requests below would hang)."""
-    http, vllm, sglang, gateway = pool
+    http, vllm, sglang, _ = pool
     vllm.refuse["/v1/load_lora_adapter"] = (500, {"error": "the stand-in refuses"})
     sglang.refuse["/load_lora_adapter"] = (400, {"success": False, "error_message": "the stand-in refuses"})
     answer = await http.post("/admin/weights", json={"version": 7, "lora": "/adapters/step-7"})

@@ -287,6 +287,7 @@ class WeightUpdater:
             if own is not None:  # the engine's own probe (the embedded one keeps its cached prefix)
                 await own()
                 return
+
             async def one_token() -> list[Any]:
                 return [t async for t in engine.generate(prompt, params, seed=0)]
 
