@@ -163,6 +163,7 @@ class SessionTree:
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
         policy_spans: tuple[PolicySpan, ...] = (),
+        sampling: Mapping[str, float] | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
         `template_inputs` what else the template read (`messages.template_inputs`)."""
@@ -191,6 +192,7 @@ class SessionTree:
             template_inputs=template_inputs,
             constrained=constrained,
             policy_spans=policy_spans,
+            sampling=sampling,
         )
         self.restore(node)
         return node

@@ -94,6 +94,7 @@ class TurnNode:
         "request",
         "request_key",
         "rewrite",
+        "sampling",
         "template_inputs",
         "trace_id",
     )
@@ -123,6 +124,7 @@ class TurnNode:
         template_inputs: Mapping[str, Any] | None = None,
         constrained: bool = False,
         policy_spans: tuple[PolicySpan, ...] = (),
+        sampling: Mapping[str, float] | None = None,
     ) -> None:
         if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
@@ -152,6 +154,8 @@ class TurnNode:
         # sampled under a constraint (tool_choice, response_format): its logprobs are the constrained
         # distribution's, not the policy's
         self.constrained = constrained
+        # temperature, top_p, top_k, min_p as the request set them (None: recorded before they were)
+        self.sampling = sampling
         self.children: list[TurnNode] = []
         self._context_length = len(context)
         self._sampled_length = len(sampled)

@@ -476,6 +476,7 @@ class Gateway:
             logprob_mode=run.tokens[0].logprob_mode if run.tokens else None,
             template_inputs=plan.template_inputs,
             constrained=constraint is not None,
+            sampling=run.sampling.distribution(),
         )
         self.metrics.turn_recorded(
             prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish

@@ -193,6 +193,14 @@ def session_tree(row: Sequence[Any]) -> SessionTree:
     return tree
 
 
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _from_json_or_none(saved: str | None) -> Any:
+    return None if saved is None else json.loads(saved)
+
+
 def _rewrite_json(rewrite: Rewrite | None) -> str | None:
     return json.dumps(rewrite.as_dict()) if rewrite else None
 
@@ -227,6 +235,8 @@ TURN_COLUMNS = (
     Column("constrained", "INTEGER NOT NULL DEFAULT 0", "constrained", int, bool),
     # JSON: the weights versions over the sampled tokens (core.versions); NULL: none recorded
     Column("policy_spans", "TEXT", "policy_spans", spans_to_json, spans_from_json),
+    # JSON: temperature, top_p, top_k, min_p the turn was sampled with; NULL: recorded before they were
+    Column("sampling", "TEXT", "sampling", _json_or_none, _from_json_or_none),
 )
 TURNS = Table("turns", TURN_COLUMNS, ("session_id", "id"))
 
