@@ -441,6 +441,10 @@ def train(
         str, typer.Option(help="What the engine serves: f32 (a dequantized copy) or q4_1 (as shipped).")
     ] = ("f32"),
     seed: Annotated[int, typer.Option(help="Seeds the LoRA, torch and the tasks.")] = 0,
+    eval_every: Annotated[
+        int,
+        typer.Option(min=0, help="Greedy evaluation on the agent's held-out tasks every this many updates (0: none)."),
+    ] = 5,
     out: Annotated[Path, typer.Option(help="steps.jsonl, train.png and the adapters go here.")] = Path("runs/train"),
     url: Annotated[
         str | None,
@@ -465,7 +469,7 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tokentape.rollout import load_agent
-    from tokentape.train.loop import StepRecord, TrainConfig
+    from tokentape.train.loop import EvalRecord, StepRecord, TrainConfig
     from tokentape.train.loop import train as run_training
     from tokentape.train.plot import plot_steps
 
@@ -484,6 +488,7 @@ def train(
         out=out,
         url=url,
         api_key=api_key,
+        eval_every=eval_every,
     )
     console = Console()
     columns = (
@@ -507,7 +512,16 @@ def train(
             )
             progress.update(task, advance=1, reward=f"{record.reward_mean:.3f}")
 
-        records = asyncio.run(run_training(config, load_agent(agent), on_step=show))
+        evaluations: list[EvalRecord] = []
+
+        def evaluated(record: EvalRecord) -> None:
+            evaluations.append(record)
+            progress.console.print(
+                f"held-out after {record.updates} updates: reward {record.reward_mean:.3f} "
+                f"({len(record.rewards)} tasks, greedy{f', {record.errors} errors' if record.errors else ''})"
+            )
+
+        records = asyncio.run(run_training(config, load_agent(agent), on_step=show, on_eval=evaluated))
     png = plot_steps(out / "steps.jsonl", out / "train.png", title=f"tokentape train {agent} ({weights}, seed {seed})")
     first = [r.reward_mean for r in records[:5]]
     last = [r.reward_mean for r in records[-5:]]
@@ -515,6 +529,11 @@ def train(
         f"mean reward: first {len(first)} steps {sum(first) / len(first):.3f}, last {len(last)} steps "
         f"{sum(last) / len(last):.3f}; steps: {out / 'steps.jsonl'}, plot: {png}"
     )
+    if evaluations:
+        console.print(
+            f"held-out reward (greedy): base {evaluations[0].reward_mean:.3f}, "
+            f"final {evaluations[-1].reward_mean:.3f} ({out / 'heldout.jsonl'})"
+        )
 
 
 @app.command()
