@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Engine
@@ -37,9 +37,7 @@ from tokentape.engines.weights import (
     WeightUpdateRefused,
 )
 from tokentape.errors import Conflict, EngineFailure, InvalidRequest
-
-if TYPE_CHECKING:
-    from tokentape.gateway.service import Gateway
+from tokentape.gateway.versions import VersionGate
 
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
@@ -102,8 +100,14 @@ class _Failure:
 
 
 class WeightUpdater:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    """The updates of one gateway, given only what they touch (the gateway imports this module, never
+    the reverse): its version gate, a way to list its engines now (a pool changes), and the probe's
+    prompt in its tokens."""
+
+    def __init__(self, gate: VersionGate, engines: Callable[[], Sequence[Engine]], probe_prompt: Sequence[int]) -> None:
+        self.gate = gate
+        self.list_engines = engines
+        self.probe_prompt = list(probe_prompt)
         self.running = False
         self.history: list[WeightSource | None] = [None]  # the source of each applied version (None: start)
         self.failure: _Failure | None = None
@@ -111,7 +115,7 @@ class WeightUpdater:
 
     def _engines(self) -> list[tuple[str, UpdatableEngine]]:
         out: list[tuple[str, UpdatableEngine]] = []
-        for index, engine in enumerate(self.gateway.engines()):
+        for index, engine in enumerate(self.list_engines()):
             name = engine_name(index, engine)
             if not isinstance(engine, UpdatableEngine):
                 raise InvalidRequest(f"{name} cannot change its weights under a live gateway", param="version")
@@ -131,7 +135,7 @@ class WeightUpdater:
         self.failure = None
 
     async def update(self, update: WeightUpdate) -> dict[str, Any]:
-        gate = self.gateway.gate
+        gate = self.gate
         if self.running:
             raise Conflict("a weight update is already running", param="version", code="update_in_progress")
         if update.version <= gate.version:
@@ -149,7 +153,7 @@ class WeightUpdater:
             self.running = False
 
     async def _run(self, update: WeightUpdate) -> dict[str, Any]:
-        gate = self.gateway.gate
+        gate = self.gate
         phases: dict[str, float] = {}
         clock = time.perf_counter()
 
@@ -189,10 +193,10 @@ class WeightUpdater:
         lap("hold")
         previous = gate.version
         loaded: list[int] = []
-        paused: list[int] = []  # engines whose pause succeeded: resumed again whatever fails after it
+        pausing: list[int] = []  # engines whose pause succeeded: resumed again whatever fails after it
         resuming = probed = False
         try:
-            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight), paused)
+            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight), pausing)
             lap("pause")
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
@@ -217,8 +221,8 @@ class WeightUpdater:
             # the gateway's gate: every engine paused here runs again (and answers a probe) before this
             # returns. The gate stays held, so nothing but the probe reaches them. Only the probe
             # computes anything under the new weights: before it, no cached prefix needs dropping.
-            again = [engines[i] for i in (range(len(engines)) if resuming else paused)]
-            message += await self._unpause(again, fresh_kv=probed)
+            to_resume = [engines[i] for i in (range(len(engines)) if resuming else pausing)]
+            message += await self._unpause(to_resume, fresh_kv=probed)
             self.failure = _Failure(update.version, loaded, message)
             raise UpdateFailed(message) from exc
         gate.version = update.version
@@ -260,7 +264,7 @@ class WeightUpdater:
             elif succeeded is not None:
                 succeeded.append(index)
         if failed:
-            version = self.gateway.gate.version
+            version = self.gate.version
             raise UpdateFailed(
                 f"the update failed at {phase} on " + "; ".join(failed) + f". The version stays {version}; "
                 "generation stays held until POST /admin/resume or /admin/rollback"
@@ -279,7 +283,7 @@ class WeightUpdater:
         return ""
 
     async def _probe(self, engines: Sequence[tuple[str, UpdatableEngine]]) -> None:
-        prompt = self.gateway.renderer.tokenizer.encode(PROBE_TEXT)
+        prompt = self.probe_prompt
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def probe(engine: Any) -> None:  # every engine of the gateway is an Engine too
@@ -321,7 +325,7 @@ class WeightUpdater:
         if self.failure is None:
             raise Conflict("there is no failed update to roll back", code="nothing_to_roll_back")
         engines = self._engines()
-        gate = self.gateway.gate
+        gate = self.gate
         started = time.perf_counter()
         self.running = True
         try:
