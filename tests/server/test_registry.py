@@ -20,7 +20,6 @@ from tokentape.server.errors import ANTHROPIC_ERRORS, OPENAI_ERRORS
 from tokentape.server.middleware import GuardSettings
 from tokentape.server.serving import Dialect
 
-
 # the generation routes as the API families name them, written out here (not read from the registry)
 FAMILIES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/inference/v1/generate"]
 
@@ -44,7 +43,7 @@ async def test_each_entry_makes_every_table(gateway: Gateway, dialect: type[Dial
     body = orjson.dumps({"session_id": "named-in-body"})
     assert session_of(HttpRequest("POST", dialect.path, body=body)) == "named-in-body"
     # a session key may call it, at the root and under its own base URL, and it counts as generation
-    assert GENERATION_ROUTES == frozenset(FAMILIES) and dialect.path in PATHS
+    assert frozenset(FAMILIES) == GENERATION_ROUTES and dialect.path in PATHS
     assert decide(Kind.SESSION, dialect.path, key_session="s") is None
     assert decide(Kind.SESSION, "/sessions/s" + dialect.path, key_session="s") is None
     assert is_generation(dialect.path) and is_generation("/sessions/s" + dialect.path)
