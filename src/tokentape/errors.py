@@ -20,6 +20,7 @@ __all__ = [
     "EngineFailure",
     "EngineProtocolError",
     "EngineUnavailable",
+    "Forbidden",
     "InvalidRequest",
     "NotFound",
     "Overloaded",
@@ -63,6 +64,14 @@ class NotFound(TokentapeError):
     status = 404
     error_type = "invalid_request_error"
     default_code = "not_found"
+
+
+class Forbidden(TokentapeError):
+    """Allowed to nobody by the operator's settings (e.g. weights from a directory not allowed)."""
+
+    status = 403
+    error_type = "permission_error"
+    default_code = "forbidden"
 
 
 class Conflict(TokentapeError):

@@ -18,7 +18,7 @@ import importlib.util
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,9 @@ class Episode:
     member: int  # position inside the group
     session_id: str
     model: str
+    # request fields a trainer's loss depends on, by OpenAI's names (temperature, top_p): an agent sends
+    # them on every call (`**episode.sampling`); empty when nothing trains on the episode
+    sampling: Mapping[str, float] = field(default_factory=dict)
 
 
 Agent = Callable[[openai.AsyncOpenAI, Episode], Awaitable[float | None]]
@@ -171,6 +174,7 @@ async def run_rollout(
     on_progress: Callable[[RolloutStats], None] = lambda _: None,
     run_id: str | None = None,
     overflow_reward: float = 0.0,
+    sampling: Mapping[str, float] | None = None,
 ) -> RolloutStats:
     stats = RolloutStats(run_id or f"run-{uuid.uuid4().hex[:8]}", episodes)
     gate = asyncio.Semaphore(concurrency)
@@ -178,7 +182,7 @@ async def run_rollout(
     async def one(index: int) -> None:
         group, member = divmod(index, group_size)
         session_id = f"{stats.run_id}-{index:05d}"
-        episode = Episode(index, group, member, session_id, gateway.model)
+        episode = Episode(index, group, member, session_id, gateway.model, dict(sampling or {}))
         async with gate:
             metadata = {"run": stats.run_id, "episode": index, "max_tokens": "clip"}
             await gateway.create_session(session_id, group_id=f"{stats.run_id}-g{group:04d}", metadata=metadata)

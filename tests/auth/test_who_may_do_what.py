@@ -132,17 +132,16 @@ async def test_open_mode_stays_open_and_required_mode_needs_a_session_key(gatewa
         agent = bearer(created["api_key"])  # an agent handed its key is held to it here too
         assert (await http.post("/v1/chat/completions", json=CHAT, headers=agent)).headers["x-session-id"] == "open-2"
         assert (await http.post("/sessions/open-2/reward", json={"reward": 1}, headers=agent)).status_code == 403
-    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(require_session_keys=True))
+    # required session keys with no trainer key: anyone could create sessions, and so their keys
+    with pytest.raises(ValueError, match="needs a trainer key"):
+        GuardSettings(require_session_keys=True)
+    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER], require_session_keys=True))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-        refused = await http.post("/sessions/req-1/v1/chat/completions", json=CHAT)
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "session_key_required"
-        assert (await http.post("/v1/tokenize", json={"prompt": "Hi"})).status_code == 200  # not generation
-        created = (await http.post("/sessions", json={"session_id": "req-2"})).json()
+        assert (await http.post("/sessions/req-1/v1/chat/completions", json=CHAT)).status_code == 401
+        created = (await http.post("/sessions", json={"session_id": "req-2"}, headers=T)).json()
         assert (
             await http.post("/v1/completions", json=expected_completion(), headers=bearer(created["api_key"]))
         ).status_code == 200
-    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER], require_session_keys=True))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         refused = await http.post("/v1/chat/completions", json=CHAT, headers=T)
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "session_key_required"
 

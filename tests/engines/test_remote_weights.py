@@ -8,6 +8,7 @@ OpenAPI schema listing the routes a server so configured has, and a record of ev
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ LORA = WeightSource("lora", "/adapters/step-7")
 MODEL = WeightSource("model", "/checkpoints/step-7")
 MANAGED = WeightSource("engine_managed")
 
+PAUSES = ("/pause", "/pause_generation")
+RESUMES = ("/resume", "/continue_generation")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate", "/generate")
+
 Call = tuple[str, str, Any]  # method, path (with its query), JSON body (None: none)
 
 
@@ -56,6 +61,7 @@ class Stand:
     adapters: list[str] = field(default_factory=list)  # vLLM: loaded adapters, listed among its models
     calls: list[Call] = field(default_factory=list)
     generation: FakeState = field(default_factory=FakeState)
+    paused: bool = False  # between a pause that succeeded and a resume: generation requests are held
 
     def routes(self) -> dict[str, dict[str, Any]]:
         """The control routes this server has, each with its OpenAPI operation."""
@@ -107,7 +113,18 @@ class Stand:
             if request.url.path in self.refuse:
                 status, answer = self.refuse[request.url.path]
                 return JSONResponse(answer, status_code=status)
+            if request.url.path in PAUSES:
+                self.paused = True
+            elif request.url.path in RESUMES:
+                self.paused = False
             return self.answer(request.url.path)
+
+        async def held(scope: Any, receive: Any, send: Any) -> None:
+            """As vLLM and SGLang do: a generation request waits while the engine is paused."""
+            if scope["type"] == "http" and scope["path"] in GENERATION_ROUTES:
+                while self.paused:
+                    await asyncio.sleep(0.01)
+            await served(scope, receive, send)
 
         async def schema(request: Request) -> Response:
             self.calls.append(("GET", "/openapi.json", None))
@@ -127,7 +144,7 @@ class Stand:
             return JSONResponse({"object": "list", "data": listed})
 
         control_routes = [Route(path, control, methods=["POST"]) for path in self.routes()]
-        return Starlette(
+        served = Starlette(
             routes=[
                 Route("/v1/models", models),
                 *generation.routes,
@@ -136,6 +153,7 @@ class Stand:
                 Route("/version" if self.kind == "vllm" else "/get_server_info", version),
             ]
         )
+        return held  # type: ignore[return-value]  # an ASGI app, as Starlette is
 
 
 @pytest.fixture

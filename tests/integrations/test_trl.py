@@ -1,9 +1,12 @@
 """TRL's GRPOTrainer, one real optimizer step on this CPU, its rollouts through tokentape: what
 `rollout_func` hands TRL is the tape's branch, cut TRL's way; after the step the LoRA reaches the
-engine (POST /admin/weights) and the next episode records the new version."""
+engine (POST /admin/weights, on a gateway with a trainer key and session keys required) and the
+engine samples it: its logprobs equal the trained model's (recomputed with torch) to the F32 bound
+and differ from the base model's, and the next episode records the new version."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import types
 from pathlib import Path
@@ -26,7 +29,13 @@ from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings  # noqa:
 from tokentape.gateway.service import Gateway  # noqa: E402
 from tokentape.integrations.trl import PushLora, _loop, rollout_func, tape_reward  # noqa: E402
 from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path  # noqa: E402
+from tokentape.server.middleware import GuardSettings  # noqa: E402
+from tokentape.train.loss import build_batch, samples_from_export, token_logprobs  # noqa: E402
 from tokentape.train.weights import LORA_TARGETS, f32_gguf, load_model  # noqa: E402
+
+# the F32 bound of tests/train/test_loop.py: the engine serves an F32 copy with an F32 KV cache
+MEAN_BOUND, MAX_BOUND = 1e-4, 1e-3
+REWARDS = itertools.count()  # one group's two episodes get 0 and 1, whatever the model samples
 
 
 async def two_turns(client: openai.AsyncOpenAI, prompt: list[dict[str, str]]) -> float:
@@ -35,15 +44,16 @@ async def two_turns(client: openai.AsyncOpenAI, prompt: list[dict[str, str]]) ->
     first = await client.chat.completions.create(model=model, messages=prompt, max_tokens=6, temperature=1.0)  # type: ignore[arg-type]
     follow = [*prompt, {"role": "assistant", "content": first.choices[0].message.content or ""}]
     follow.append({"role": "user", "content": "Once more."})
-    second = await client.chat.completions.create(model=model, messages=follow, max_tokens=6, temperature=1.0)  # type: ignore[arg-type]
-    return float(len(second.choices[0].message.content or "") % 3)  # varied, so advantages are not all 0
+    await client.chat.completions.create(model=model, messages=follow, max_tokens=6, temperature=1.0)  # type: ignore[arg-type]
+    return float(next(REWARDS) % 2)  # consecutive within a group: advantages are never all 0
 
 
 def test_one_grpo_trainer_step_learns_from_the_tape(tmp_path: Path, hf_dir: Path) -> None:
     f32 = f32_gguf(embedded_model_path())
     engine = LlamaCppEngine(LlamaCppSettings(model_path=f32, context_length=512, kv_cache_f32=True))
     core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=512), engine=engine)
-    gateway = InProcessGateway(gateway=core, model=name)
+    keys = GuardSettings(["trl-trainer-key"], require_session_keys=True)
+    gateway = InProcessGateway(gateway=core, model=name, guard=keys)
     seen: dict[str, Any] = {}
     rollout = rollout_func(two_turns, gateway)
 
@@ -61,7 +71,7 @@ def test_one_grpo_trainer_step_learns_from_the_tape(tmp_path: Path, hf_dir: Path
         num_generations=2,
         max_completion_length=32,
         max_steps=1,
-        learning_rate=1e-3,
+        learning_rate=2e-2,  # one step that moves the policy well past the F32 bound
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -91,12 +101,25 @@ def test_one_grpo_trainer_step_learns_from_the_tape(tmp_path: Path, hf_dir: Path
         assert 0 in seen["env_mask"][i]  # the follow-up between the two turns is not trained on
         assert seen["logprobs"][i] == [0.0 if lp is None else lp for lp in branch["logprobs"][first:last]]
         assert seen["tokentape_reward"][i] == branch["reward"]
-    assert trainer.state.log_history and "loss" in trainer.state.log_history[0]
     # the engine now samples the pushed LoRA, and the tape says so
     after = rollout_func(two_turns, gateway)(prompts[:1], trainer)
-    (branch,) = _loop().run(gateway.export(after["tokentape_session_id"][0]))["branches"]
+    export = _loop().run(gateway.export(after["tokentape_session_id"][0]))
+    (branch,) = export["branches"]
     assert branch["policy_versions"] == ["1", "1"]
     _loop().run(gateway.aclose())
+    # ... and samples what the trainer trained: its logprobs are the trained model's, not the base's
+    import torch
+
+    batch = build_batch(samples_from_export(export))
+    on = batch.mask.bool()
+    model = trainer.model.eval()
+    with torch.no_grad():
+        trained = token_logprobs(model, batch, 1.0)
+        with model.disable_adapter():
+            base = token_logprobs(model, batch, 1.0)
+    difference = (trained - batch.engine_logprobs).abs()[on]
+    assert on.sum() >= 2 and difference.mean() < MEAN_BOUND and difference.max() < MAX_BOUND, difference
+    assert (base - batch.engine_logprobs).abs()[on].mean() > 100 * max(float(difference.mean()), MEAN_BOUND / 10)
 
 
 LONG = "one two three four five six seven eight nine ten " * 200  # past a 1024-token context alone

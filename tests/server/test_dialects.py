@@ -201,6 +201,7 @@ _SAME_CHECKS = [
     ("unknown rewrite policy", {"rewrite_policy": "yolo"}, "rewrite_policy"),
     ("min_p too large", {"min_p": 2}, "min_p"),
     ("top_k not an integer", {"top_k": "x"}, "top_k"),
+    ("top_k below -1", {"top_k": -5}, "top_k"),  # vLLM's rule: -1 and 0 are off, below -1 is refused
     ("chat_template_kwargs not an object", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
 ]
 
@@ -221,6 +222,32 @@ async def test_every_chat_like_dialect_checks_the_same_fields(
         else:
             assert error["param"] == param
     assert (await http.get("/sessions")).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "top_k": -5}, "top_k"),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "top_k": -5}},
+            "sampling_params.top_k",
+        ),
+    ],
+    ids=["completions", "generate"],
+)
+async def test_top_k_below_minus_one_is_refused_by_the_token_dialects_too(
+    http: httpx.AsyncClient, route: str, body: dict[str, Any], param: str
+) -> None:
+    response = await http.post(f"/sessions/checked{route}", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and "-5" in response.json()["error"]["message"]
+    assert (await http.get("/sessions")).json()["data"] == []
+
+
+async def test_top_k_minus_one_is_off_as_in_vllm(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "top_k": -1}
+    assert (await http.post("/sessions/off/v1/chat/completions", json=body)).status_code == 200
 
 
 async def test_messages_take_the_trainer_fields_of_chat(http: httpx.AsyncClient) -> None:

@@ -2,7 +2,9 @@
 trainer agree on every sampled token's logprob before any update; after the first update (pushed as
 a llama.cpp adapter GGUF through POST /admin/weights) the engine samples the updated policy: its
 logprobs equal the updated trainer's within the same bound and differ from the old policy's by far
-more; the exported policy versions say which weights sampled each token."""
+more; the exported policy versions say which weights sampled each token. The gateway is one a user
+runs (`--url`): served on a port, with a trainer key and session keys required, so every call of the
+loop, the weight push included, has to carry the key it is given."""
 
 from __future__ import annotations
 
@@ -14,8 +16,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from tests.support.fake_engines import serving
+from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.rollout import Episode
-from tokentape.train.loop import TrainConfig, Trainer
+from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path
+from tokentape.server.app import create_app
+from tokentape.server.middleware import GuardSettings
+from tokentape.train.loop import TrainConfig, Trainer, connect
+from tokentape.train.weights import f32_gguf
+
+TRAINER_KEY = "trainer-key-of-the-test"
 
 # Measured on this model (F32 weights, F32 KV cache, 2 threads): mean 3.5e-6, max 3.6e-5 nats over
 # a 20-step run; the Q4_1 file against the same trainer: mean 0.08, max 0.42.
@@ -23,27 +33,44 @@ MEAN_BOUND, MAX_BOUND = 1e-4, 1e-3
 
 
 async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
-    """One short turn; the first member of a group is rewarded: every group has a signal to learn."""
+    """One short turn; the first member of a group is rewarded: every group has a signal to learn.
+    It samples with the settings the loop hands it (the trainer's, or greedy on held-out tasks)."""
     await client.chat.completions.create(
         model=episode.model,
         messages=[{"role": "user", "content": "Name a colour."}],
         max_tokens=8,
-        temperature=1.0,
         seed=episode.index,
+        **{"temperature": 2.0, **episode.sampling},  # type: ignore[arg-type]
     )
     return 1.0 if episode.member == 0 else 0.0
 
 
 async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp_path: Path) -> None:
-    config = TrainConfig(
-        steps=2, groups=1, group_size=2, learning_rate=2e-2, temperature=1.0, out=tmp_path, measure_base=True
-    )
-    trainer = Trainer(config, agent)
-    try:
-        first = await trainer.step(0)
-        second = await trainer.step(1)
-    finally:
-        await trainer.gateway.aclose()
+    f32 = f32_gguf(embedded_model_path())
+    engine = LlamaCppEngine(LlamaCppSettings(model_path=f32, context_length=1024, kv_cache_f32=True))
+    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=1024), engine=engine)
+    guard = GuardSettings([TRAINER_KEY], require_session_keys=True)
+    with serving(create_app(core, model_id=name, guard=guard, owns_gateway=True)) as url:
+        config = TrainConfig(
+            steps=2,
+            groups=1,
+            group_size=2,
+            learning_rate=2e-2,
+            temperature=1.0,
+            out=tmp_path,
+            measure_base=True,
+            eval_tasks=2,
+            url=url,
+            api_key=TRAINER_KEY,
+        )
+        trainer = Trainer(config, agent, await connect(config))
+        try:
+            first = await trainer.step(0)
+            second = await trainer.step(1)
+            held_out = await trainer.evaluate(2)
+            (branch,) = (await trainer.gateway.export("heldout-s0-u0002-00000"))["branches"]
+        finally:
+            await trainer.gateway.aclose()
     assert first.version == 0 and first.sampled_versions == [0]  # the base weights sampled step 0
     assert second.version == 1 and second.sampled_versions == [1]  # the pushed adapter sampled step 1
     for record in (first, second):
@@ -55,3 +82,7 @@ async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp
     # after it, the engine follows the updated trainer, not the old policy
     assert second.metrics["base_diff_mean"] > 100 * max(second.metrics["logprob_diff_mean"], MEAN_BOUND / 10)
     assert (tmp_path / "adapters" / "lora-v1.gguf").is_file()
+    # the held-out evaluation: the pushed policy, greedy, one episode per task, the agent's rewards
+    assert (held_out.updates, held_out.version, held_out.rewards) == (2, 2, [1.0] * config.eval_tasks)
+    assert branch["sampling"] == [{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}]
+    assert branch["policy_versions"] == ["2"]

@@ -132,3 +132,21 @@ def test_a_turn_that_crossed_a_weight_update_is_judged_token_by_token() -> None:
     assert sample.versions == [None, None, None, 3, 4, None, None, 4, 4]
     assert sample.mask == [False, False, False, False, True, False, False, True, True]
     assert sample.dropped == {"constrained": 0, "stale": 1}
+
+
+TRAINER_SAMPLING = {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def test_a_turn_sampled_with_other_settings_than_the_trainers_is_an_error_naming_it() -> None:
+    export = _export("s", "g", 1.0)
+    branch = export["branches"][0]
+    branch["turn_ids"] = [4, 9]
+    branch["sampling"] = [dict(TRAINER_SAMPLING), dict(TRAINER_SAMPLING)]
+    assert len(samples_from_export(export, sampling=TRAINER_SAMPLING)) == 1  # all as the trainer computes
+    for name, value in (("temperature", 1.0), ("top_p", 0.9), ("top_k", 40), ("min_p", 0.05)):
+        branch["sampling"][1] = {**TRAINER_SAMPLING, name: value}
+        with pytest.raises(ValueError, match=rf"session s turn 9 was sampled with \{{'{name}': {value}\}}"):
+            samples_from_export(export, sampling=TRAINER_SAMPLING)
+    branch["sampling"][1] = None  # recorded before turns kept their settings: not known, not assumed
+    with pytest.raises(ValueError, match="session s turn 9 records no sampling settings"):
+        samples_from_export(export, sampling=TRAINER_SAMPLING)

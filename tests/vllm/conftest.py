@@ -208,8 +208,12 @@ def proxy(vllm_server: VLLMServer) -> Iterator[tuple[str, RecordingProxy]]:
         yield url, recorder
 
 
-def _gateway(spec: str, model_dir: Path) -> contextlib.AbstractContextManager[RunningServer]:
+def _gateway(
+    spec: str, model_dir: Path, weights_dir: Path | None = None
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """`weights_dir`: where the adapters it may load are (serve refuses any other directory)."""
     args = ["--engine", spec, "--tokenizer", str(model_dir), "--store", ":memory:"]
+    args += ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
     OUTPUT.mkdir(exist_ok=True)
     kind = spec.partition("=")[0]
     return running_server(args, log_path=OUTPUT / f"tokentape-{kind}-{free_port()}.log")

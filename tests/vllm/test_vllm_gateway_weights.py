@@ -63,7 +63,7 @@ async def test_a_turn_goes_on_across_a_lora_update_on_vllm(vllm_lora_server: VLL
     server = vllm_lora_server
     adapter = _adapter(tmp_path / "adapter", server.model_dir, seed=11)
     spec = f"vllm={server.url},logprobs-mode=processed_logprobs"
-    with _gateway(spec, server.model_dir) as gateway:
+    with _gateway(spec, server.model_dir, tmp_path) as gateway:
         base = gateway.base_url
         sdk = openai.AsyncOpenAI(base_url=f"{base}/sessions/across/v1", api_key="x", max_retries=0)
         http = httpx.AsyncClient(base_url=base, timeout=300)

@@ -41,7 +41,8 @@ async def test_a_refused_load_leaves_every_engine_on_the_old_weights_and_serves_
         assert error["code"] == "weights_update_failed"
         assert "at load on engine 1 (refusing refusing): the stand-in refuses" in error["message"]
         assert "back on 0" in error["message"]  # the embedded engine had loaded it: restored
-        assert stand_in.steps == ["check", "pause", "load 1"]  # it failed: nothing to put back there
+        # it failed: nothing to put back there; it is resumed and probed (a token generated)
+        assert stand_in.steps == ["check", "pause", "load 1", "resume", "generate"]
         assert (own_engine.weights_version, own_engine.adapter_path) == (0, None)
         state = (await admin.get("/admin/status")).json()
         assert (state["paused"], state["weights_version"]) == (True, 0)

@@ -4,6 +4,7 @@ before the version changes; a load one of them refuses changes the version on ne
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -73,7 +74,9 @@ async def test_a_refused_load_changes_the_version_on_no_engine(
     assert f"at load on engine 1 ({sglang_url(gateway)})" in message and "max_lora_rank" in message
     state = (await http.get("/admin/status")).json()
     assert (state["weights_version"], state["paused"]) == (0, True)  # held until resume or rollback
-    assert "/resume" not in _posts(vllm)  # nothing generates on the engine that took the adapter
+    # both engines run again (a paused vLLM would hold every later request); the gateway's gate holds
+    assert _posts(vllm)[-1:] == ["/resume"] and not vllm.paused
+    assert not sglang.paused and "/continue_generation" in _posts(sglang)
     # vLLM took the adapter and cannot be put back on the weights it started with: mixed
     assert "putting the old weights back failed too" in message
     resumed = await http.post("/admin/resume", json={})
@@ -87,3 +90,27 @@ async def test_a_refused_load_changes_the_version_on_no_engine(
 
 def sglang_url(gateway: Gateway) -> str:
     return str(gateway.engines()[1].base_url)  # type: ignore[attr-defined]
+
+
+async def test_a_failed_update_leaves_the_remote_engines_resumed_and_serving(
+    pool: tuple[httpx.AsyncClient, Stand, Stand, Gateway],
+) -> None:
+    """Both engines refuse the load (nothing loaded, nothing to put back): both are resumed and probed
+    before the 502, and after /admin/resume requests are served on both (the stand-ins hold every
+    generation while paused, as vLLM and SGLang do: left paused, the requests below would hang)."""
+    http, vllm, sglang, _ = pool
+    vllm.refuse["/v1/load_lora_adapter"] = (500, {"error": "the stand-in refuses"})
+    sglang.refuse["/load_lora_adapter"] = (400, {"success": False, "error_message": "the stand-in refuses"})
+    answer = await http.post("/admin/weights", json={"version": 7, "lora": "/adapters/step-7"})
+    assert answer.status_code == 502 and "the stand-in refuses" in answer.json()["error"]["message"]
+    assert not vllm.paused and not sglang.paused
+    posts = _posts(vllm)
+    assert posts.index("/pause?mode=abort") < posts.index("/v1/load_lora_adapter") < posts.index("/resume")
+    assert "/reset_prefix_cache" not in posts  # nothing ran under new weights: the cache stays
+    assert (await http.post("/admin/resume", json={})).status_code == 200
+    before = len(vllm.generation.requests), len(sglang.generation.requests)  # the probes, once resumed
+    for session in ("a", "b"):
+        served = await asyncio.wait_for(http.post(f"/sessions/{session}/v1/chat/completions", json=BODY), 10)
+        assert served.status_code == 200, served.text
+    assert len(vllm.generation.requests) + len(sglang.generation.requests) - sum(before) == 2
+    assert (await http.get("/admin/status")).json()["weights_version"] == 0

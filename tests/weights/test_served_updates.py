@@ -19,8 +19,9 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with running_server(["--context-length", "2048"]) as running:
+def server(adapters: list[Path]) -> Iterator[RunningServer]:
+    # serve loads weights only from the directories it is told (its cache and ./runs by default)
+    with running_server(["--context-length", "2048", "--weights-dir", str(adapters[0].parent)]) as running:
         yield running
 
 

@@ -16,7 +16,7 @@ from tokentape.server.app import create_app
 async def test_an_update_over_shared_remote_engines_is_refused_and_changes_nothing(renderer: Renderer) -> None:
     engine = RefusingEngine(loads_ok=10)
     gateway = Gateway(engine, renderer, SessionRegistry())
-    gateway.updates = SharedEngineUpdates(gateway)
+    gateway.updates = SharedEngineUpdates(gateway.gate, gateway.engines, [])
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         answer = await admin.post("/admin/weights", json={"version": 1, "engine_managed": True})

@@ -142,6 +142,20 @@ def serve(
         str | None,
         typer.Option(help="With --ray: hand every finished session to this queue (tokentape.ray.trajectories)."),
     ] = None,
+    insecure_open: Annotated[
+        bool,
+        typer.Option(
+            help="Serve on an address other machines reach with no trainer key (every route open to them). "
+            "Without it such a start is refused."
+        ),
+    ] = False,
+    weights_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A directory POST /admin/weights may load from (repeat for several; the path as the engine "
+            "sees it). Default: tokentape's cache and ./runs (where tokentape train writes). Others: 403."
+        ),
+    ] = None,
 ) -> None:
     """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
     import os
@@ -152,7 +166,9 @@ def serve(
     from tokentape.runtime import RuntimeSettings, build_gateway
     from tokentape.server.app import create_app
     from tokentape.server.dialects.images import ImageLimits
+    from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
     from tokentape.server.middleware import GuardSettings
+    from tokentape.train.weights import cache_dir
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RuntimeSettings(
@@ -172,11 +188,20 @@ def serve(
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
     if session_keys not in ("optional", "required"):
         raise typer.BadParameter("optional or required", param_hint="--session-keys")
+    if session_keys == "required" and not keys:
+        raise typer.BadParameter("required needs a trainer key (--api-key)", param_hint="--session-keys")
+    try:
+        warning = check_exposure(host, keys, insecure_open=insecure_open)
+    except OpenModeRefused as exc:
+        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    if warning is not None:
+        logging.getLogger("tokentape").warning(warning)
     guard = GuardSettings(
         api_keys=keys,
         max_body_bytes=max_body_bytes,
         require_session_keys=session_keys == "required",
         max_in_flight_per_key=max_in_flight_per_key,
+        weights_dirs=weights_dir or default_weights_dirs(cache_dir()),
     )
     staleness = None
     if max_staleness is not None or admit_per_version is not None:

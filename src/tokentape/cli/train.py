@@ -29,7 +29,25 @@ def train(
         str, typer.Option(help="What the engine serves: f32 (a dequantized copy) or q4_1 (as shipped).")
     ] = ("f32"),
     seed: Annotated[int, typer.Option(help="Seeds the LoRA, torch and the tasks.")] = 0,
+    eval_every: Annotated[
+        int,
+        typer.Option(min=0, help="Greedy evaluation on the agent's held-out tasks every this many updates (0: none)."),
+    ] = 5,
     out: Annotated[Path, typer.Option(help="steps.jsonl, train.png and the adapters go here.")] = Path("runs/train"),
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="A gateway you run (tokentape serve, in front of the embedded model's F32 copy, vLLM or Ray) "
+            "instead of one in this process; it must read the adapters written under --out."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TOKENTAPE_API_KEY",
+            help="A trainer key of the gateway at --url: sessions, rewards, exports and weight updates carry it.",
+        ),
+    ] = None,
 ) -> None:
     """The reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape, pushing each
     update to the engine (POST /admin/weights)."""
@@ -39,7 +57,7 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tokentape.rollout import load_agent
-    from tokentape.train.loop import StepRecord, TrainConfig
+    from tokentape.train.loop import EvalRecord, StepRecord, TrainConfig
     from tokentape.train.loop import train as run_training
     from tokentape.train.plot import plot_steps
 
@@ -56,6 +74,9 @@ def train(
         weights="f32" if weights == "f32" else "q4_1",
         seed=seed,
         out=out,
+        url=url,
+        api_key=api_key,
+        eval_every=eval_every,
     )
     console = Console()
     columns = (
@@ -79,7 +100,16 @@ def train(
             )
             progress.update(task, advance=1, reward=f"{record.reward_mean:.3f}")
 
-        records = asyncio.run(run_training(config, load_agent(agent), on_step=show))
+        evaluations: list[EvalRecord] = []
+
+        def evaluated(record: EvalRecord) -> None:
+            evaluations.append(record)
+            progress.console.print(
+                f"held-out after {record.updates} updates: reward {record.reward_mean:.3f} "
+                f"({len(record.rewards)} tasks, greedy{f', {record.errors} errors' if record.errors else ''})"
+            )
+
+        records = asyncio.run(run_training(config, load_agent(agent), on_step=show, on_eval=evaluated))
     png = plot_steps(out / "steps.jsonl", out / "train.png", title=f"tokentape train {agent} ({weights}, seed {seed})")
     first = [r.reward_mean for r in records[:5]]
     last = [r.reward_mean for r in records[-5:]]
@@ -87,3 +117,8 @@ def train(
         f"mean reward: first {len(first)} steps {sum(first) / len(first):.3f}, last {len(last)} steps "
         f"{sum(last) / len(last):.3f}; steps: {out / 'steps.jsonl'}, plot: {png}"
     )
+    if evaluations:
+        console.print(
+            f"held-out reward (greedy): base {evaluations[0].reward_mean:.3f}, "
+            f"final {evaluations[-1].reward_mean:.3f} ({out / 'heldout.jsonl'})"
+        )

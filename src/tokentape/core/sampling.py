@@ -56,6 +56,11 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
 
+    def distribution(self) -> dict[str, float]:
+        """The settings that shape the distribution a token is sampled from (what a trainer's logprobs
+        must be computed under), as recorded on each turn."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+
     def choice_seed(self, index: int) -> int | None:
         """Each of n choices gets its own stream, still reproducible from one seed."""
         return None if self.seed is None else (self.seed + index) % (2**64)

@@ -168,6 +168,7 @@ class SessionTree:
         constrained: bool = False,
         policy_spans: tuple[PolicySpan, ...] = (),
         shape_chain: bytes | None = None,
+        sampling: Mapping[str, float] | None = None,
     ) -> TurnNode:
         """Record one generation under `turn.parent`; `prompt_chain` names the request's messages,
         `template_inputs` what else the template read (`messages.template_inputs`), `shape_chain`
@@ -199,6 +200,7 @@ class SessionTree:
             policy_spans=policy_spans,
             images=turn.images,
             shape_chain=None if shape_chain is None else chain_step(shape_chain, reply),
+            sampling=sampling,
         )
         self.restore(node)
         return node

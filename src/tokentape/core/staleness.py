@@ -68,27 +68,43 @@ def admission_limit(current: int, max_staleness: int, per_version: int) -> int:
 
 
 class GroupAdmission:
-    """The groups admitted so far; a group is counted once, when its first session starts."""
+    """The groups admitted so far; a group is counted once, when its first session starts.
+
+    Only the count of every group admitted since version 0 enters the limit; the names are kept for
+    groups admitted in the last K + 1 versions (a group's sessions start together, so a later one
+    is recognised), and forgotten after: the record stays as small as the groups in flight. A
+    session of a forgotten group that starts later counts as a new group (refused sooner, never
+    admitted past the limit)."""
 
     def __init__(self, max_staleness: int, per_version: int) -> None:
         if max_staleness < 0 or per_version < 1:
             raise ValueError("max_staleness must be >= 0 and per_version >= 1")
         self.max_staleness = max_staleness
         self.per_version = per_version
-        self.admitted: set[str] = set()
+        self.count = 0  # groups admitted since version 0
+        self.recent: dict[str, int] = {}  # group -> the version it was admitted under (the last K + 1)
+        self._pruned_at = 0
+
+    def _forget(self, current: int) -> None:
+        if current != self._pruned_at:  # once per version
+            self._pruned_at = current
+            oldest = current - self.max_staleness
+            self.recent = {group: v for group, v in self.recent.items() if v >= oldest}
 
     def admit(self, group: str, current: int) -> bool:
         """Admit `group` (True), or refuse it for now (False): admitting would exceed the limit."""
-        if group in self.admitted:
+        self._forget(current)
+        if group in self.recent:
             return True
-        if len(self.admitted) + 1 > admission_limit(current, self.max_staleness, self.per_version):
+        if self.count + 1 > admission_limit(current, self.max_staleness, self.per_version):
             return False
-        self.admitted.add(group)
+        self.count += 1
+        self.recent[group] = current
         return True
 
     def versions_to_wait(self, current: int) -> int:
         """How many versions must pass before one more group fits."""
-        needed = len(self.admitted) + 1
+        needed = self.count + 1
         return max(0, -(-needed // self.per_version) - self.max_staleness - 1 - current)
 
 

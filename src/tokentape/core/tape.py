@@ -98,6 +98,7 @@ class TurnNode:
         "request_key",
         "rewrite",
         "shape_chain",
+        "sampling",
         "template_inputs",
         "trace_id",
     )
@@ -129,6 +130,7 @@ class TurnNode:
         policy_spans: tuple[PolicySpan, ...] = (),
         images: tuple[ImageRun, ...] = (),
         shape_chain: bytes | None = None,
+        sampling: Mapping[str, float] | None = None,
     ) -> None:
         if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
@@ -163,6 +165,8 @@ class TurnNode:
         # chain hash of the request's messages and the reply with images anonymous (`images.masked_images`);
         # None when the request had none. A request that matches it but not `chain` changed an image.
         self.shape_chain = shape_chain
+        # temperature, top_p, top_k, min_p as the request set them (None: recorded before they were)
+        self.sampling = sampling
         self.children: list[TurnNode] = []
         self._context_length = len(context)
         self._sampled_length = len(sampled)

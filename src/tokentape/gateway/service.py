@@ -42,7 +42,7 @@ from tokentape.gateway.generation import ChoiceRun, ReplyMode
 from tokentape.gateway.planning import Plan, Planner
 from tokentape.gateway.sessions import Session, SessionRegistry
 from tokentape.gateway.ticket import Admission, Ticket
-from tokentape.gateway.updates import WeightUpdater, parse_update
+from tokentape.gateway.updates import PROBE_TEXT, WeightUpdater, parse_update
 from tokentape.gateway.versions import VersionGate
 from tokentape.metrics import GatewayMetrics
 from tokentape.render.renderer import Renderer
@@ -84,7 +84,7 @@ class Gateway:
         # `length`) instead of OpenAI's 400; sessions opt in alone with metadata {"max_tokens": "clip"}
         self.clip_max_tokens = False
         self.gate = VersionGate()  # the weights version, and the generations running against it
-        self.updates = WeightUpdater(self)
+        self.updates = WeightUpdater(self.gate, self.engines, renderer.tokenizer.encode(PROBE_TEXT))
         self.staleness = Staleness()
         self.group_admission: GroupAdmission | None = None
         self.admission_retry_after = 5.0
@@ -502,6 +502,7 @@ class Gateway:
             template_inputs=plan.template_inputs,
             constrained=constraint is not None,
             shape_chain=plan.shape_chain,
+            sampling=run.sampling.distribution(),
         )
         self.metrics.turn_recorded(
             prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish

@@ -8,7 +8,9 @@ weights on every engine; resume the engines (dropping every cached prefix unless
 gateway still holds every generation, so nothing but the probe reaches them) and probe each with a
 fixed prompt (a paused vLLM or SGLang would hold the probe too); only if all of that succeeded, bump
 the version and release generation. On a failure the version stays, the
-error names the engine and why, and generation stays held until `/admin/resume` (refused while some
+error names the engine and why, every engine that had loaded the new weights loads the current ones
+again, every engine paused for the update is resumed and probed (a paused vLLM or SGLang would hold
+every later request), and generation stays held by the gateway's own gate until `/admin/resume` (refused while some
 engine loaded the new weights and another did not) or `/admin/rollback` (the previous weights loaded
 again), or a new update. One update at a time: a second one while one runs is refused (409).
 
@@ -20,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Engine
@@ -35,13 +37,12 @@ from tokentape.engines.weights import (
     WeightUpdateRefused,
 )
 from tokentape.errors import Conflict, EngineFailure, InvalidRequest
-
-if TYPE_CHECKING:
-    from tokentape.gateway.service import Gateway
+from tokentape.gateway.versions import VersionGate
 
 __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engine_name", "parse_update"]
 
 QUIET_TIMEOUT = 30.0  # seconds running generations get to stop at a token boundary (a stuck client's stream)
+PROBE_TIMEOUT = 60.0  # seconds for the probe's one token (a cold remote engine's first forward included)
 PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
@@ -99,8 +100,14 @@ class _Failure:
 
 
 class WeightUpdater:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    """The updates of one gateway, given only what they touch (the gateway imports this module, never
+    the reverse): its version gate, a way to list its engines now (a pool changes), and the probe's
+    prompt in its tokens."""
+
+    def __init__(self, gate: VersionGate, engines: Callable[[], Sequence[Engine]], probe_prompt: Sequence[int]) -> None:
+        self.gate = gate
+        self.list_engines = engines
+        self.probe_prompt = list(probe_prompt)
         self.running = False
         self.history: list[WeightSource | None] = [None]  # the source of each applied version (None: start)
         self.failure: _Failure | None = None
@@ -108,7 +115,7 @@ class WeightUpdater:
 
     def _engines(self) -> list[tuple[str, UpdatableEngine]]:
         out: list[tuple[str, UpdatableEngine]] = []
-        for index, engine in enumerate(self.gateway.engines()):
+        for index, engine in enumerate(self.list_engines()):
             name = engine_name(index, engine)
             if not isinstance(engine, UpdatableEngine):
                 raise InvalidRequest(f"{name} cannot change its weights under a live gateway", param="version")
@@ -128,7 +135,7 @@ class WeightUpdater:
         self.failure = None
 
     async def update(self, update: WeightUpdate) -> dict[str, Any]:
-        gate = self.gateway.gate
+        gate = self.gate
         if self.running:
             raise Conflict("a weight update is already running", param="version", code="update_in_progress")
         if update.version <= gate.version:
@@ -146,7 +153,7 @@ class WeightUpdater:
             self.running = False
 
     async def _run(self, update: WeightUpdate) -> dict[str, Any]:
-        gate = self.gateway.gate
+        gate = self.gate
         phases: dict[str, float] = {}
         clock = time.perf_counter()
 
@@ -186,15 +193,19 @@ class WeightUpdater:
         lap("hold")
         previous = gate.version
         loaded: list[int] = []
+        pausing: list[int] = []  # engines whose pause succeeded: resumed again whatever fails after it
+        resuming = probed = False
         try:
-            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight))
+            await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight), pausing)
             lap("pause")
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
             # engines resume before their probe: a paused vLLM or SGLang holds every request, the probe's
             # too. The gateway's own gate stays held, so nothing else reaches them until the switch.
+            resuming = True
             await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=update.in_flight != "keep"))
             lap("resume")
+            probed = True
             await self._probe(engines)
             lap("probe")
         except UpdateFailed as exc:
@@ -206,6 +217,12 @@ class WeightUpdater:
                     message += f"; the engines that had loaded version {update.version} are back on {previous}"
                 except UpdateFailed as again:
                     message += f"; putting the old weights back failed too ({again.message})"
+            # a paused vLLM or SGLang holds every request until resumed, and /admin/resume releases only
+            # the gateway's gate: every engine paused here runs again (and answers a probe) before this
+            # returns. The gate stays held, so nothing but the probe reaches them. Only the probe
+            # computes anything under the new weights: before it, no cached prefix needs dropping.
+            to_resume = [engines[i] for i in (range(len(engines)) if resuming else pausing)]
+            message += await self._unpause(to_resume, fresh_kv=probed)
             self.failure = _Failure(update.version, loaded, message)
             raise UpdateFailed(message) from exc
         gate.version = update.version
@@ -247,14 +264,26 @@ class WeightUpdater:
             elif succeeded is not None:
                 succeeded.append(index)
         if failed:
-            version = self.gateway.gate.version
+            version = self.gate.version
             raise UpdateFailed(
                 f"the update failed at {phase} on " + "; ".join(failed) + f". The version stays {version}; "
                 "generation stays held until POST /admin/resume or /admin/rollback"
             )
 
+    async def _unpause(self, engines: Sequence[tuple[str, UpdatableEngine]], *, fresh_kv: bool) -> str:
+        """After a failure: resume `engines` and probe them; what went wrong, as words to add to the
+        failure's message ("" when all run)."""
+        if not engines:
+            return ""
+        try:
+            await self._step(engines, "resume", lambda e: e.resume_generation(fresh_kv=fresh_kv))
+            await self._probe(engines)
+        except UpdateFailed as exc:
+            return f"; resuming the engines failed too ({exc.message})"
+        return ""
+
     async def _probe(self, engines: Sequence[tuple[str, UpdatableEngine]]) -> None:
-        prompt = self.gateway.renderer.tokenizer.encode(PROBE_TEXT)
+        prompt = self.probe_prompt
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def probe(engine: Any) -> None:  # every engine of the gateway is an Engine too
@@ -262,7 +291,14 @@ class WeightUpdater:
             if own is not None:  # the engine's own probe (the embedded one keeps its cached prefix)
                 await own()
                 return
-            tokens = [t async for t in engine.generate(prompt, params, seed=0)]
+
+            async def one_token() -> list[Any]:
+                return [t async for t in engine.generate(prompt, params, seed=0)]
+
+            try:  # a paused engine holds the probe: that is a failure to name, not a hang
+                tokens = await asyncio.wait_for(one_token(), PROBE_TIMEOUT)
+            except TimeoutError:
+                raise WeightUpdateFailed(f"the probe got no token within {PROBE_TIMEOUT:g} s (still paused?)") from None
             if len(tokens) != 1 or not math.isfinite(tokens[0].logprob):
                 raise WeightUpdateFailed(f"the probe prompt gave {tokens!r}")
 
@@ -289,7 +325,7 @@ class WeightUpdater:
         if self.failure is None:
             raise Conflict("there is no failed update to roll back", code="nothing_to_roll_back")
         engines = self._engines()
-        gate = self.gateway.gate
+        gate = self.gate
         started = time.perf_counter()
         self.running = True
         try:

@@ -202,13 +202,12 @@ class PushLora(_callback_base()):  # type: ignore[misc]
         self._in_a_row = 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        from tokentape.train.loop import push_adapter
         from tokentape.train.weights import write_lora_gguf
 
         version = int(state.global_step)
         path = write_lora_gguf(model, self.directory / f"lora-v{version}.gguf")
         try:
-            _loop().run(push_adapter(self.gateway, version, path))
+            _loop().run(self.gateway.update_weights(version, lora=str(path), in_flight="continue"))
         except (
             RuntimeError,
             httpx2.HTTPError,

@@ -193,7 +193,7 @@ class GatewayActor:
             if version:
                 gateway.gate.version, gateway.gate.label = version, str(version)
         else:  # remote engines shared by every gateway: this one alone cannot hold the others
-            gateway.updates = SharedEngineUpdates(gateway)
+            gateway.updates = SharedEngineUpdates(gateway.gate, gateway.engines, [])  # it never probes
         if spec.staleness is not None:  # every gateway switches version together, so K means the same on each
             gateway.set_staleness(spec.staleness)
         self.gateway = gateway

@@ -3,7 +3,8 @@
 POST /admin/weights   {"version": N, "lora": PATH | "model": PATH | "engine_managed": true,
                        "in_flight": "continue" | "keep" | "abort"}: the phases' durations, or an
                        error naming the problem (400/409 before anything paused; 502 naming the
-                       engine that failed, the gateway then held until resume or rollback)
+                       engine that failed, the gateway then held until resume or rollback);
+                       403 for a path outside the directories the operator allows (--weights-dir)
 POST /admin/rollback  after a failed update: the current version's weights again on every engine
 POST /admin/pause, /admin/resume: hold and release by hand (resume's policy_version: a label; an
                        integer, or a string that is one, is also the weights version)
@@ -11,19 +12,38 @@ POST /admin/pause, /admin/resume: hold and release by hand (resume's policy_vers
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 
-from tokentape.errors import InvalidRequest
+from tokentape.engines.weights import WeightSource
+from tokentape.errors import Forbidden, InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.updates import parse_update
 from tokentape.server.bodies import json_object
 
-__all__ = ["add_admin_routes"]
+__all__ = ["add_admin_routes", "check_weights_dir"]
 
 
-def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
+def check_weights_dir(source: WeightSource, allowed: Sequence[Path] | None) -> None:
+    """Weights load only from the directories the operator allows (None: any): Forbidden naming the
+    rule otherwise. The path is resolved first (`..` and symbolic links cannot step outside)."""
+    if allowed is None or source.path is None:
+        return
+    resolved = Path(source.path).resolve()
+    if not any(resolved.is_relative_to(folder) for folder in allowed):
+        folders = ", ".join(str(folder) for folder in allowed) or "none"
+        raise Forbidden(
+            f"{source.kind} {source.path!r} is outside the directories weights may be loaded from ({folders}); "
+            "the operator allows more with `tokentape serve --weights-dir DIR`",
+            param=source.kind,
+            code="weights_dir_forbidden",
+        )
+
+
+def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path] | None = None) -> None:
     def status() -> dict[str, Any]:
         stats = gateway.stats()
         return {
@@ -44,6 +64,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
     async def weights(request: Request) -> dict[str, Any]:
         """Load new weights on every engine and switch the version, atomically."""
         update = parse_update(await json_object(request))
+        check_weights_dir(update.source, weights_dirs)
         report = await gateway.updates.update(update)
         return {**report, "status": status()}
 

@@ -208,6 +208,6 @@ def create_app(
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
     add_session_routes(app, gateway, keys)
-    add_admin_routes(app, gateway)
+    add_admin_routes(app, gateway, settings.weights_dirs)
     app.state.started = time.time()
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -35,10 +36,18 @@ class GuardSettings:
         *,
         require_session_keys: bool = False,
         max_in_flight_per_key: int | None = None,
+        weights_dirs: Sequence[str | Path] | None = None,
     ) -> None:
         """`api_keys`: trainer keys, allowed everything (none: open mode). `require_session_keys`:
-        generation needs a session key. `max_in_flight_per_key`: requests one session key may have
-        running at once (429 past it), so one agent cannot take every admission slot."""
+        generation needs a session key, which only a trainer key can create sessions for (so it
+        needs one: in open mode anyone could create them). `max_in_flight_per_key`: requests one
+        session key may have running at once (429 past it), so one agent cannot take every
+        admission slot. `weights_dirs`: the directories `POST /admin/weights` may load from (None:
+        any path, for a gateway in the trainer's own process)."""
+        if require_session_keys and not api_keys:
+            raise ValueError(
+                "session keys required needs a trainer key: without one, anyone may create sessions and their keys"
+            )
         # digests: every comparison is of 32 bytes, whatever the length of the key offered
         self.api_keys = tuple(key_digest(key.encode()) for key in api_keys)
         self.trainer_key = api_keys[0] if api_keys else None  # what an in-process trainer's own calls carry
@@ -46,6 +55,7 @@ class GuardSettings:
         self.max_header_bytes = max_header_bytes
         self.require_session_keys = require_session_keys
         self.max_in_flight_per_key = max_in_flight_per_key
+        self.weights_dirs = None if weights_dirs is None else tuple(Path(d).resolve() for d in weights_dirs)
 
 
 _SLOT = "tokentape.key_slot"  # the session whose key holds an in-flight slot for this request

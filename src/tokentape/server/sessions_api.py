@@ -20,7 +20,7 @@ from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagMode, LagWindow, lag_filter
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import check_policy, check_session_id
+from tokentape.gateway.sessions import check_policy
 from tokentape.server.bodies import json_object
 from tokentape.server.errors import json_response
 from tokentape.server.keys import SessionKeys
@@ -182,12 +182,13 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         policy = _optional_str(data, "rewrite_policy")
         group_id = _optional_str(data, "group_id")
         metadata = _max_staleness(data, _metadata(data))
-        if session_id is not None and await sessions.exists(check_session_id(session_id)):
-            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         reward = data.get("reward")
         if reward is not None:
             check_reward(reward, "reward")
-        session, _ = await sessions.open(session_id, check_policy(policy) if policy is not None else None)
+        # check and create in one step: of two creates of one id at once, one creates it and gets its key
+        session, created = await sessions.open(session_id, check_policy(policy) if policy is not None else None)
+        if not created:
+            raise InvalidRequest(f"session {session_id!r} already exists", param="session_id", code="session_exists")
         outcome = session.tree.outcome
         outcome.group_id, outcome.metadata = group_id, metadata
         if reward is not None:

@@ -208,6 +208,14 @@ def _runs(saved: str | None) -> tuple[ImageRun, ...]:
     return runs_from_json(json.loads(saved)) if saved else ()
 
 
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _from_json_or_none(saved: str | None) -> Any:
+    return None if saved is None else json.loads(saved)
+
+
 def _rewrite_json(rewrite: Rewrite | None) -> str | None:
     return json.dumps(rewrite.as_dict()) if rewrite else None
 
@@ -245,6 +253,8 @@ TURN_COLUMNS = (
     # JSON: the image runs its context brought ([digest, start, length, t, h, w]); the bytes are in `images`
     Column("images", "TEXT", "images", _runs_json, _runs),
     Column("shape_chain", "BLOB", "shape_chain"),  # the history's chain with images anonymous
+    # JSON: temperature, top_p, top_k, min_p the turn was sampled with; NULL: recorded before they were
+    Column("sampling", "TEXT", "sampling", _json_or_none, _from_json_or_none),
 )
 TURNS = Table("turns", TURN_COLUMNS, ("session_id", "id"))
 

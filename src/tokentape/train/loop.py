@@ -24,9 +24,17 @@ from typing import Any, Literal
 
 from tokentape.client import GatewayClient, InProcessGateway
 from tokentape.rollout import Agent, run_rollout
-from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
+from tokentape.train.loss import (
+    Sample,
+    build_batch,
+    episode_reward,
+    loss_and_metrics,
+    samples_from_export,
+    token_logprobs,
+    trainable,
+)
 
-__all__ = ["StepRecord", "TrainConfig", "Trainer", "push_adapter"]
+__all__ = ["EvalRecord", "StepRecord", "TrainConfig", "Trainer", "connect"]
 
 
 @dataclass(slots=True)
@@ -47,28 +55,39 @@ class TrainConfig:
     seed: int = 0
     out: Path = Path("runs/train")
     measure_base: bool = False  # also |engine - base policy| each step (one more forward)
+    error_reward: float = 0.0  # an episode whose agent raised: its reward, in the loss and the plot alike
+    eval_every: int = 5  # held-out evaluation after every this many updates (and before the first, after the last)
+    eval_tasks: int = 16  # the held-out set: episodes of runs named `heldout-...` (the agent's fixed tasks), greedy
+    url: str | None = None  # a gateway the user runs (`tokentape serve`, over vLLM, on Ray); None: one in-process
+    api_key: str | None = None  # a trainer key of the gateway at `url`
 
 
 @dataclass(slots=True)
 class StepRecord:
     step: int
     version: int  # the policy version that sampled this step's rollouts
-    reward_mean: float
+    reward_mean: float  # over every episode, errored ones at error_reward (the loss's rule)
     episodes: int
     metrics: dict[str, float]
     seconds: dict[str, float] = field(default_factory=dict)  # rollout, forward_backward, push
     sampled_versions: list[int | None] = field(default_factory=list)  # every version seen on the tape
+    errors: int = 0  # episodes whose agent raised (rewarded error_reward)
 
 
-async def push_adapter(gateway: GatewayClient, version: int, path: Path) -> dict[str, Any]:
-    """Hand the engine a new LoRA: `POST /admin/weights`; turns still running finish on the old one."""
-    response = await gateway.http.post(
-        "/admin/weights", json={"version": version, "lora": str(path), "in_flight": "continue"}
-    )
-    if response.status_code >= 400:
-        raise RuntimeError(f"the gateway refused the weights (HTTP {response.status_code}): {response.text}")
-    result: dict[str, Any] = response.json()
-    return result
+@dataclass(slots=True)
+class EvalRecord:
+    """The policy after `updates` optimizer steps, greedy on the held-out tasks (nothing trains on them)."""
+
+    updates: int
+    version: int
+    reward_mean: float  # over every held-out episode, errored ones at error_reward
+    rewards: list[float]
+    errors: int = 0
+
+
+async def connect(config: TrainConfig) -> GatewayClient | None:
+    """The gateway at `config.url` with its trainer key (None: the loop builds one in-process)."""
+    return await GatewayClient.connect(config.url, api_key=config.api_key) if config.url else None
 
 
 class Trainer:
@@ -97,6 +116,11 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
         self.gateway = gateway or self._embedded_gateway()
+        # what the agent sends on every call (OpenAI's fields), and what every turn must have been sampled
+        # with (the gateway's defaults for the rest): the trainer's logprobs are the untruncated
+        # distribution at this temperature
+        self.sampling = {"temperature": config.temperature, "top_p": 1.0}
+        self.expected = {**self.sampling, "top_k": 0, "min_p": 0.0}
         self.version = 0
         config.out.mkdir(parents=True, exist_ok=True)
         (config.out / "adapters").mkdir(exist_ok=True)
@@ -112,7 +136,7 @@ class Trainer:
         gateway, name = build_gateway(runtime, engine=LlamaCppEngine(settings))
         return InProcessGateway(gateway=gateway, model=name or "policy")
 
-    async def rollouts(self, step: int) -> tuple[list[dict[str, Any]], float]:
+    async def rollouts(self, step: int) -> tuple[list[dict[str, Any]], int]:
         run_id = f"train-s{self.config.seed}-{step:04d}"
         episodes = self.config.groups * self.config.group_size
         stats = await run_rollout(
@@ -122,11 +146,32 @@ class Trainer:
             concurrency=self.config.concurrency,
             group_size=self.config.group_size,
             run_id=run_id,
+            sampling=self.sampling,
         )
         exports = [await self.gateway.export(f"{run_id}-{i:05d}") for i in range(episodes)]
-        return exports, stats.mean_reward or 0.0
+        return exports, stats.errors
 
-    def samples(self, exports: list[dict[str, Any]]) -> list[Sample]:
+    async def evaluate(self, updates: int) -> EvalRecord:
+        """The current policy on the held-out tasks, greedy (temperature 0), one episode per task. A
+        run named `heldout-...` is the agent's cue to draw its fixed held-out tasks."""
+        run_id = f"heldout-s{self.config.seed}-u{updates:04d}"
+        stats = await run_rollout(
+            self.agent,
+            self.gateway,
+            episodes=self.config.eval_tasks,
+            concurrency=self.config.concurrency,
+            group_size=1,
+            run_id=run_id,
+            sampling={"temperature": 0.0, "top_p": 1.0},
+        )
+        rewards = [
+            episode_reward(await self.gateway.export(f"{run_id}-{i:05d}"), self.config.error_reward)
+            for i in range(self.config.eval_tasks)
+        ]
+        return EvalRecord(updates, self.version, sum(rewards) / len(rewards), rewards, stats.errors)
+
+    def samples(self, exports: list[dict[str, Any]]) -> tuple[list[Sample], list[float]]:
+        """The samples to train on and their advantages, over each group as sampled."""
         samples = []
         for export in exports:
             samples += samples_from_export(
@@ -134,14 +179,16 @@ class Trainer:
                 version=self.version,
                 max_staleness=self.config.max_staleness,
                 logprob_mode="temperature_scaled_untruncated",
+                sampling=self.expected,
+                missing_reward=self.config.error_reward,
             )
-        return [s for s in samples if any(s.mask)]
+        return trainable(samples)
 
-    def update(self, samples: list[Sample]) -> dict[str, float]:
+    def update(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
         """One optimizer step; the mismatch figures are those of the policy that sampled (before it)."""
         import torch
 
-        batch = build_batch(samples)
+        batch = build_batch(samples, advantages_=advantages)
         self.model.train()
         logprobs = token_logprobs(self.model, batch, self.config.temperature)
         loss, metrics = loss_and_metrics(logprobs, batch, self.config.clip)
@@ -161,16 +208,18 @@ class Trainer:
         self.version += 1
         path = self.config.out / "adapters" / f"lora-v{self.version}.gguf"
         await asyncio.to_thread(write_lora_gguf, self.model, path)
-        await push_adapter(self.gateway, self.version, path)
+        # the client's update path: it carries the trainer key, as every other trainer call does
+        await self.gateway.update_weights(self.version, lora=str(path), in_flight="continue")
         return path
 
     async def step(self, step: int) -> StepRecord:
         start = time.perf_counter()
         sampled_by = self.version
-        exports, reward = await self.rollouts(step)
+        exports, errors = await self.rollouts(step)
+        reward = sum(episode_reward(e, self.config.error_reward) for e in exports) / len(exports)
         rolled = time.perf_counter()
-        samples = self.samples(exports)
-        metrics = await asyncio.to_thread(self.update, samples)
+        samples, advantages = self.samples(exports)
+        metrics = await asyncio.to_thread(self.update, samples, advantages)
         updated = time.perf_counter()
         await self.push()
         pushed = time.perf_counter()
@@ -187,24 +236,43 @@ class Trainer:
                 "push": pushed - updated,
             },
             sampled_versions=list(versions),
+            errors=errors,
         )
 
 
 async def train(
-    config: TrainConfig, agent: Agent, on_step: Callable[[StepRecord], None] = lambda _: None
+    config: TrainConfig,
+    agent: Agent,
+    on_step: Callable[[StepRecord], None] = lambda _: None,
+    on_eval: Callable[[EvalRecord], None] = lambda _: None,
 ) -> list[StepRecord]:
-    """The whole loop; each step's record is appended to `out/steps.jsonl` as it ends."""
-    trainer = await asyncio.to_thread(Trainer, config, agent)
-    log = config.out / "steps.jsonl"
+    """The whole loop; each step's record is appended to `out/steps.jsonl` as it ends, each held-out
+    evaluation's to `out/heldout.jsonl` (before the first update, every `eval_every`, after the last)."""
+    gateway = await connect(config)
+    trainer = await asyncio.to_thread(Trainer, config, agent, gateway)
+    log, held = config.out / "steps.jsonl", config.out / "heldout.jsonl"
     log.write_text("")
+    held.write_text("")
     records = []
+
+    async def evaluate(updates: int) -> None:
+        evaluation = await trainer.evaluate(updates)
+        with held.open("a") as file:
+            file.write(json.dumps(asdict(evaluation)) + "\n")
+        on_eval(evaluation)
+
     try:
+        if config.eval_every > 0:
+            await evaluate(0)
         for step in range(config.steps):
             record = await trainer.step(step)
             records.append(record)
             with log.open("a") as file:
                 file.write(json.dumps(asdict(record)) + "\n")
             on_step(record)
+            updates = step + 1
+            if config.eval_every > 0 and (updates % config.eval_every == 0 or updates == config.steps):
+                await evaluate(updates)
     finally:
         await trainer.gateway.aclose()
     return records

@@ -24,11 +24,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batch", "Sample", "advantages", "build_batch", "loss_and_metrics", "samples_from_export", "token_logprobs"]
+__all__ = [
+    "Batch",
+    "Sample",
+    "advantages",
+    "build_batch",
+    "check_sampling",
+    "episode_reward",
+    "loss_and_metrics",
+    "samples_from_export",
+    "token_logprobs",
+    "trainable",
+]
 
 
 @dataclass(slots=True)
@@ -45,17 +56,55 @@ class Sample:
     dropped: dict[str, int] = field(default_factory=dict)  # sampled tokens left out, by reason
 
 
+def check_sampling(export: dict[str, Any], branch: dict[str, Any], expected: Mapping[str, float]) -> None:
+    """Every sampled turn of `branch` was sampled with the settings the trainer computes its logprobs
+    under (`expected`: temperature, top_p, top_k, min_p): ValueError naming the turn otherwise, so a
+    mismatch is an error, never a silent bias."""
+    recorded = branch.get("sampling") or [None] * len(branch["turn_ids"])
+    for turn, (start, end), settings in zip(branch["turn_ids"], branch["action_ranges"], recorded, strict=True):
+        if end <= start:
+            continue  # nothing sampled: nothing to train on
+        where = f"session {export['session_id']} turn {turn}"
+        if settings is None:
+            raise ValueError(f"{where} records no sampling settings; the trainer needs {dict(expected)}")
+        differ = {
+            name: settings.get(name)
+            for name, value in expected.items()
+            if not (isinstance(settings.get(name), (int, float)) and math.isclose(settings[name], value))
+        }
+        if differ:
+            wanted = {name: expected[name] for name in differ}
+            raise ValueError(f"{where} was sampled with {differ}; the trainer computes its logprobs with {wanted}")
+
+
 def samples_from_export(
-    export: dict[str, Any], *, version: int | None = None, max_staleness: int = 1, logprob_mode: str | None = None
+    export: dict[str, Any],
+    *,
+    version: int | None = None,
+    max_staleness: int = 1,
+    logprob_mode: str | None = None,
+    sampling: Mapping[str, float] | None = None,
+    missing_reward: float = 0.0,
 ) -> list[Sample]:
     """The branches of one exported session (tokentape format). `version`: the trainer's policy
-    version now, for staleness; `logprob_mode`: the mode the trainer recomputes (checked)."""
+    version now, for staleness; `logprob_mode`: the mode the trainer recomputes (checked);
+    `sampling`: the settings it recomputes them under (checked on every sampled turn).
+
+    One rule for an episode that went wrong: with no reward (the agent raised) it is rewarded
+    `missing_reward`; with no branch at all (it failed before its first turn) it is one sample with
+    no token. Either way it stays a member of its group, so the group's advantages are those of
+    the group as sampled; a sample with nothing to train on is left out of the batch after that."""
+    group_id = str(export.get("summary", {}).get("group_id") or export["session_id"])
+    if not export["branches"]:
+        return [Sample(str(export["session_id"]), group_id, [], [], [], missing_reward, [])]
     samples = []
     for branch in export["branches"]:
         if logprob_mode is not None:
             modes = {m for m in branch["logprob_modes"] if m is not None}
             if modes - {logprob_mode}:
                 raise ValueError(f"session {export['session_id']}: logprobs are {sorted(modes)}, not {logprob_mode}")
+        if sampling is not None:
+            check_sampling(export, branch, sampling)
         tokens = list(branch["tokens"])
         mask = [bool(m) for m in branch["loss_mask"]]
         versions: list[int | None] = [None] * len(tokens)
@@ -77,11 +126,11 @@ def samples_from_export(
         samples.append(
             Sample(
                 session_id=str(export["session_id"]),
-                group_id=str(export.get("summary", {}).get("group_id") or export["session_id"]),
+                group_id=group_id,
                 tokens=tokens,
                 mask=mask,
                 engine_logprobs=[0.0 if lp is None else float(lp) for lp in branch["logprobs"]],
-                reward=0.0 if reward is None else float(reward),
+                reward=missing_reward if reward is None else float(reward),
                 versions=versions,
                 dropped=dropped,
             )
@@ -123,7 +172,23 @@ class Batch:
     advantages: Any  # float [B]
 
 
-def build_batch(samples: Sequence[Sample], pad_id: int = 0) -> Batch:
+def episode_reward(export: dict[str, Any], missing_reward: float = 0.0) -> float:
+    """An episode's reward as the loss counts it (`samples_from_export`'s rule): what its agent
+    returned, or `missing_reward` when it returned none. What the loop plots is the mean of these."""
+    reward = export.get("summary", {}).get("reward")
+    return missing_reward if reward is None else float(reward)
+
+
+def trainable(samples: Sequence[Sample]) -> tuple[list[Sample], list[float]]:
+    """The samples with a token to train on, each with its advantage over its whole group as
+    sampled (samples with nothing to train on count in their group's mean and spread)."""
+    kept = [(s, a) for s, a in zip(samples, advantages(samples), strict=True) if any(s.mask)]
+    return [s for s, _ in kept], [a for _, a in kept]
+
+
+def build_batch(samples: Sequence[Sample], pad_id: int = 0, advantages_: Sequence[float] | None = None) -> Batch:
+    """`advantages_`: each sample's advantage, computed over its whole group (`trainable`); None:
+    over `samples` as given."""
     import torch
 
     length = max(len(s.tokens) for s in samples)
@@ -138,7 +203,8 @@ def build_batch(samples: Sequence[Sample], pad_id: int = 0) -> Batch:
         mask[row, :n] = torch.tensor(s.mask, dtype=torch.float32)
         engine[row, :n] = torch.tensor(s.engine_logprobs)
     mask[:, 0] = 0.0  # the first token has no context to predict it from
-    return Batch(ids, attention, mask, engine, torch.tensor(advantages(samples)))
+    given = advantages(samples) if advantages_ is None else list(advantages_)
+    return Batch(ids, attention, mask, engine, torch.tensor(given))
 
 
 def token_logprobs(model: Any, batch: Batch, temperature: float) -> Any:

@@ -5,9 +5,13 @@
 - `load_model(path)`: the torch model from a GGUF (transformers' GGUF loader dequantizes; it also
   undoes the q/k permutation that llama conversion applies).
 - `write_lora_gguf(model, path)`: the peft LoRA as a llama.cpp adapter GGUF, named as llama.cpp's
-  convert_lora_to_gguf.py names its tensors. The LoRA targets v, o and the feed-forward projections
-  only: llama conversion permutes q and k rows (rotary halves), so a q/k LoRA would need the same
-  permutation of its B matrix.
+  convert_lora_to_gguf.py names its tensors. Every projection peft can adapt on llama (q, k, v, o,
+  gate, up, down); llama conversion permutes the rows of q and k (rotary halves, per head; k per
+  key-value head), so their B factor gets the same permutation, as convert_lora_to_gguf.py applies
+  it. Each module's scaling is peft's own (`scaling`: alpha / r, alpha / sqrt(r) with rslora, the
+  rank and alpha patterns): llama.cpp scales every tensor by the file's one alpha over that tensor's
+  rank, so B carries the rest. What llama.cpp adapters cannot hold is refused, naming the module and
+  the setting (DoRA, modules_to_save, LoRA bias, embedding or head LoRAs, ...): never dropped.
 """
 
 from __future__ import annotations
@@ -19,16 +23,46 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LORA_TARGETS", "add_lora", "f32_gguf", "load_model", "write_lora_gguf"]
+__all__ = [
+    "LLAMA_LORA_TENSORS",
+    "LORA_TARGETS",
+    "UnwritableLora",
+    "add_lora",
+    "f32_gguf",
+    "load_model",
+    "write_lora_gguf",
+]
 
-# peft module name -> the GGUF tensor it adapts (llama layout); no q_proj/k_proj (see above)
-LORA_TARGETS = {
+# peft module name -> the GGUF tensor it adapts (llama layout)
+LLAMA_LORA_TENSORS = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
     "v_proj": "attn_v",
     "o_proj": "attn_output",
     "gate_proj": "ffn_gate",
     "up_proj": "ffn_up",
     "down_proj": "ffn_down",
 }
+# what `tokentape train` adapts (the loop's own choice; any of LLAMA_LORA_TENSORS can be written)
+LORA_TARGETS = {name: LLAMA_LORA_TENSORS[name] for name in ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+
+# LoraConfig settings a llama.cpp adapter cannot express: refused when set (a value other than these)
+_UNWRITABLE_SETTINGS = {
+    "use_dora": False,  # DoRA's magnitude vector
+    "modules_to_save": None,  # whole modules trained beside the LoRA
+    "lora_bias": False,
+    "target_parameters": None,
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "fan_in_fan_out": False,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+}
+
+
+class UnwritableLora(ValueError):
+    """The peft model holds something a llama.cpp adapter GGUF cannot: the message names the module
+    and the setting; nothing is written."""
 
 
 def cache_dir() -> Path:
@@ -109,35 +143,81 @@ def add_lora(model: Any, *, rank: int = 8, alpha: float = 16.0, seed: int = 0, l
     return peft.get_peft_model(model, config)
 
 
-def lora_tensors(model: Any) -> dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
-    """GGUF tensor base name ("blk.3.attn_v") -> (A [rank, in], B [out, rank]) of a peft LoRA model."""
+def permute_rows(weights: np.ndarray[Any, Any], n_head: int, n_head_kv: int | None) -> np.ndarray[Any, Any]:
+    """llama.cpp's conversion of q/k rows (convert_hf_to_gguf.py `LlamaModel.permute`): per head, the
+    rotary halves interleaved. Applied to a LoRA's B [out, rank] it permutes B·A's rows the same way."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _check_settings(config: Any) -> None:
+    for setting, default in _UNWRITABLE_SETTINGS.items():
+        value = getattr(config, setting, default)
+        if value not in (default, None, False, [], {}):
+            raise UnwritableLora(
+                f"the LoRA sets {setting}={value!r}, which a llama.cpp adapter GGUF cannot hold; train without it"
+            )
+
+
+def lora_tensors(model: Any, alpha: float) -> dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """GGUF tensor base name ("blk.3.attn_q") -> (A [rank, in], B [out, rank]) of a peft LoRA model, B
+    scaled so that llama.cpp's alpha / rank gives peft's scaling, q and k permuted as the GGUF's rows."""
+    _check_settings(model.peft_config["default"])
+    text = model.get_base_model().config
+    n_head, n_head_kv = (
+        int(text.num_attention_heads),
+        int(getattr(text, "num_key_value_heads", text.num_attention_heads)),
+    )
     tensors: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in LORA_TARGETS or not hasattr(module, "lora_A"):
+        if len(getattr(module, "lora_embedding_A", None) or {}):
+            raise UnwritableLora(f"{name}: an embedding LoRA (target_modules) cannot go in a llama.cpp adapter")
+        if "default" not in (getattr(module, "lora_A", None) or {}):
             continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in LLAMA_LORA_TENSORS or ".layers." not in name:
+            raise UnwritableLora(
+                f"{name}: a LoRA on this module (target_modules) cannot go in a llama.cpp adapter; it holds "
+                f"{', '.join(LLAMA_LORA_TENSORS)} of the transformer blocks"
+            )
+        if getattr(module, "use_dora", {}).get("default"):
+            raise UnwritableLora(f"{name}: DoRA (use_dora) cannot go in a llama.cpp adapter")
         layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
-        a = module.lora_A["default"].weight.detach().to("cpu").float().numpy()
-        b = module.lora_B["default"].weight.detach().to("cpu").float().numpy()
-        tensors[f"blk.{layer}.{LORA_TARGETS[leaf]}"] = (a, b)
+        a = module.lora_A["default"].weight.detach().to("cpu").double().numpy()
+        b = module.lora_B["default"].weight.detach().to("cpu").double().numpy()
+        # llama.cpp: delta = (alpha / rank) * B·A with the file's one alpha; peft: scaling * B·A
+        b = b * (float(module.scaling["default"]) * a.shape[0] / alpha)
+        if leaf == "q_proj":
+            b = permute_rows(b, n_head, n_head)
+        elif leaf == "k_proj":
+            b = permute_rows(b, n_head, n_head_kv)
+        tensors[f"blk.{layer}.{LLAMA_LORA_TENSORS[leaf]}"] = (a.astype(np.float32), b.astype(np.float32))
     if not tensors:
-        raise ValueError("the model has no LoRA on the modules a llama adapter GGUF can hold")
+        raise UnwritableLora("the model has no LoRA on the modules a llama adapter GGUF can hold")
     return tensors
 
 
 def write_lora_gguf(model: Any, path: Path, *, architecture: str = "llama") -> Path:
     """The model's LoRA as a llama.cpp adapter GGUF: `general.type=adapter`, `adapter.type=lora`,
     `adapter.lora.alpha`, tensors `blk.N.<name>.weight.lora_a` (ggml [in, rank]: numpy [rank, in])
-    and `.lora_b` (ggml [rank, out]), F32. llama.cpp scales B·A by alpha / rank, as peft does."""
+    and `.lora_b` (ggml [rank, out]), F32. llama.cpp scales B·A by alpha / rank; B carries what else
+    peft's scaling of that module holds. UnwritableLora (nothing written) for what it cannot hold."""
     import gguf
 
-    config = model.peft_config["default"]
+    configured = float(model.peft_config["default"].lora_alpha)
+    alpha = configured if configured > 0 else 1.0  # 0 would make llama.cpp skip the alpha / rank scale
+    tensors = lora_tensors(model, alpha)  # refused before any file is opened
     partial = path.with_suffix(f".{os.getpid()}.partial")
     writer = gguf.GGUFWriter(str(partial), architecture)
     writer.add_string(gguf.Keys.General.TYPE, gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config.lora_alpha))
-    for base, (a, b) in lora_tensors(model).items():
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for base, (a, b) in tensors.items():
         writer.add_tensor(f"{base}.weight.lora_a", np.ascontiguousarray(a, dtype=np.float32))
         writer.add_tensor(f"{base}.weight.lora_b", np.ascontiguousarray(b, dtype=np.float32))
     writer.write_header_to_file()

@@ -77,20 +77,22 @@ def sampling_from_wire(
     """The sampling parameters of a request whose fields bear OpenAI's names (`temperature`, `top_p`,
     `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`, `n`; those it lacks count as left out), with
     OpenAI's defaults for what it leaves out: temperature 1, top_p 1, no top-k or min-p cut, one
-    choice. A top_k below 0 is vLLM's "off". `SamplingParams` checks the ranges against its named
-    limits. `stop`: the stop strings, where the dialect names them otherwise. `names`: the dialect's
-    own name for a parameter (e.g. `max_tokens` -> `max_output_tokens`), so that an error names the
-    field the client sent."""
+    choice. A top_k of -1 is vLLM's "off" (as 0 is); below -1 is refused, as vLLM refuses it.
+    `SamplingParams` checks the ranges against its named limits. `stop`: the stop strings, where the
+    dialect names them otherwise. `names`: the dialect's own name for a parameter (e.g. `max_tokens`
+    -> `max_output_tokens`), so that an error names the field the client sent."""
     fields = req.__dict__  # declared fields only: an undeclared one a client sends (kept as an extra) is not read
     temperature, top_p, top_k = fields.get("temperature"), fields.get("top_p"), fields.get("top_k")
     min_p, n = fields.get("min_p"), fields.get("n")
     stop = fields.get("stop") if stop is None else stop
     try:
+        if top_k is not None and top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 or 0 (off) or positive, got {top_k}", param="top_k")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if temperature is None else float(temperature),
             top_p=1.0 if top_p is None else float(top_p),
-            top_k=0 if top_k is None or top_k < 0 else top_k,
+            top_k=0 if top_k is None or top_k == -1 else top_k,
             min_p=0.0 if min_p is None else float(min_p),
             seed=fields.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
