@@ -97,8 +97,8 @@ class TurnNode:
         "request",
         "request_key",
         "rewrite",
-        "shape_chain",
         "sampling",
+        "shape_chain",
         "template_inputs",
         "trace_id",
     )
