@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.auth.walk import MODEL, TRAINER, agent_route, bare, body_for, routes, snapshot
+from tests.auth.walk import MODEL, TRAINER, agent_route, bare, body_for, routes, snapshot, under_session
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
@@ -38,6 +38,7 @@ class Served:
         templates = {path.replace("{session_id:session}", "{session_id}") for _, path in routes(self.app)}
         self.routes = sorted({bare(path) for path in templates})  # every route, as reached at the root
         self.real = {bare(path) for path in templates}
+        self.under_sessions = {bare(path) for path in templates if under_session(path)}  # base-URL routes
 
     async def _create(self, name: str) -> str:
         key: str = (await self.http.post("/sessions", json={"session_id": name}, headers=T)).json()["api_key"]
@@ -92,8 +93,8 @@ def test_a_session_key_gets_exactly_its_own_sessions_generation_routes(served: S
     # the rule: a route of the app that agents may call; under a base URL, its own; at the root,
     # every name the request carries is its own
     allowed = route in served.real and agent_route(route)
-    if in_path is not None:
-        allowed = allowed and in_path == own
+    if in_path is not None:  # a base URL reaches only the routes served under it (/health is root-only)
+        allowed = allowed and route in served.under_sessions and in_path == own
     else:
         allowed = allowed and all(name in (None, own) for name in (in_header, in_body if method == "POST" else None))
 
