@@ -47,14 +47,19 @@ def _recomputed(logits: np.ndarray, samples: list[SampledToken], temperature: fl
     return np.array([log_softmax(row)[s.token_id] for row, s in zip(scaled, samples, strict=True)])
 
 
-async def test_recorded_logprobs_are_the_engines_own_computation(
-    engine: LlamaCppEngine, renderer: Renderer, model_path: Path
-) -> None:
+async def test_recorded_logprobs_are_the_engines_own_computation(renderer: Renderer, model_path: Path) -> None:
     """Replayed token by token as sampled, on the same machine's kernels, a fresh model instance gives
-    back exactly the recorded logprobs: bit-identity is the claim, so the check is equality."""
+    back exactly the recorded logprobs: bit-identity is the claim, so the check is equality. The engine
+    is a fresh single-slot one: a sequence batched beside others, or on a prefix cached by another
+    request, rounds differently (docs: the embedded engine), which tests/engines/test_llamacpp_batching.py
+    bounds on F32 weights."""
+    engine = LlamaCppEngine(LlamaCppSettings(model_path=model_path, context_length=1024, parallel=1))
     prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     params = SamplingParams(temperature=0.8, max_tokens=24)
-    samples = [s async for s in engine.generate(prompt, params, seed=11)]
+    try:
+        samples = [s async for s in engine.generate(prompt, params, seed=11)]
+    finally:
+        await engine.close()
     recorded = np.array([s.logprob for s in samples])
     sequence = prompt + [s.token_id for s in samples]
     replayed = _recomputed(_replay(model_path, sequence, len(prompt), batched=False), samples, params.temperature)

@@ -129,7 +129,7 @@ def test_anthropic_blocks_become_chat_messages() -> None:
         ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0]"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "Hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": "Hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "Hi", "max_output_tokens": "ten"}, "max_output_tokens"),
         # the Response echoes metadata, whose values OpenAI's types hold as strings only
