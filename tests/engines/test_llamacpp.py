@@ -96,12 +96,20 @@ async def test_recorded_logprobs_equal_a_batched_forward_pass_on_f32_weights(
     assert np.max(np.abs(shifted - recorded[:-1])) > 100 * BATCHED_F32_BOUND
 
 
-async def test_a_seed_reproduces_the_same_tokens(engine: LlamaCppEngine, renderer: Renderer) -> None:
+async def test_a_seed_reproduces_the_same_tokens(renderer: Renderer, model_path: Path) -> None:
+    """Each run on a fresh single-slot engine: a rerun that finds its prompt cached, or shares a batch,
+    rounds the 4-bit weights' logits differently and may sample otherwise (docs: the embedded engine)."""
     prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     params = SamplingParams(temperature=1.0, max_tokens=16)
-    first = await _generate(engine, prompt, params, 5)
-    assert await _generate(engine, prompt, params, 5) == first
-    others = [await _generate(engine, prompt, params, seed) for seed in (6, 7, 8)]
+    runs = []
+    for seed in (5, 5, 6, 7, 8):
+        engine = LlamaCppEngine(LlamaCppSettings(model_path=model_path, context_length=1024, parallel=1))
+        try:
+            runs.append(await _generate(engine, prompt, params, seed))
+        finally:
+            await engine.close()
+    first, again, *others = runs
+    assert again == first
     assert any(o != first for o in others)
 
 

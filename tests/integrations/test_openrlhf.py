@@ -83,7 +83,7 @@ async def test_the_agent_file_matches_openrlhfs_own_multi_turn_executor(
     ours = await executor.execute(
         question, label, SamplingParams(temperature=0.0, logprobs=0), MAX_LENGTH, hf_tokenizer, llm
     )
-    assert len(llm.calls) == len(FEEDBACK) + 1 and all(c.output.finish_reason == "stop" for c in llm.calls)
+    assert len(llm.calls) == len(FEEDBACK) + 1  # each call ends on its close or at max_tokens, as sampled
     assert ours["observation_tokens"] == llm.calls[-1].prompt + llm.calls[-1].output.token_ids
     (turn_end,) = tokenizer.encode("<|im_end|>")
     for call in llm.calls:  # vLLM is told to stop at the turn's end and to stay within max_length
