@@ -24,7 +24,7 @@ help:  ## list the targets
 # llama.cpp is compiled from source for the CPU it runs on. The default is one portable x86-64 build
 # (AVX2 + FMA + F16C), the same code path on every machine of this kind, Intel or AMD. Not `native`: on
 # a CPU with AMX (Sapphire Rapids and later) ggml's AMX kernels crash under virtual machines that do not
-# grant AMX state to the process. Another build: `make setup LLAMA_CMAKE_ARGS="..."` (README,
+# grant AMX state to the process. Another build: `make setup LLAMA_CMAKE_ARGS="..."` (docs: Install,
 # "Which llama.cpp build"). Each build is compiled once per machine (about 6 minutes on 2 cores) and kept
 # under ~/.cache/tokentape/wheels, keyed by its flags: pip's own cache ignores CMAKE_ARGS.
 LLAMA_CPP        := llama-cpp-python==0.3.36
