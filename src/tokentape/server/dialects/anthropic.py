@@ -33,7 +33,7 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
-from tokentape.server.dialects.images import ImageIntake, ImageLimits, joined, text_part
+from tokentape.server.dialects.images import ImageIntake, LazyIntake, joined, text_only_intake, text_part
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import ANTHROPIC_ERRORS
 from tokentape.server.protocol import MAX_MESSAGES
@@ -90,11 +90,6 @@ def _plain_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _no_images() -> ImageIntake:
-    """The intake of a caller that takes no images (a text-only model)."""
-    return ImageIntake(ImageLimits(), vision=False)
-
-
 def _image(block: Mapping[str, Any], where: str, intake: Callable[[], ImageIntake]) -> dict[str, Any]:
     """An `image` block (base64 source; a url source only as the intake allows) as an image part."""
     source = block.get("source")
@@ -135,7 +130,7 @@ def chat_messages(
     intake: Callable[[], ImageIntake] | None = None,
 ) -> list[dict[str, Any]]:
     """Messages as chat messages; `intake` gives the request's image intake (made on the first image)."""
-    images = intake or _no_images
+    images = intake or text_only_intake
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _plain_text(system, "system")})
@@ -413,13 +408,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
         self._end_of_turn = context.tokenizer.end_of_turn_ids
 
     def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
-        intake: list[ImageIntake] = []
-
-        def images() -> ImageIntake:  # made on the first image: text-only requests never pay for one
-            if not intake:
-                intake.append(self.context.image_intake())
-            return intake[0]
-
+        images = LazyIntake(self.context.image_intake)
         messages = chat_messages(req.system, req.messages, images)
         if not any(m["role"] != "system" for m in messages):
             raise InvalidRequest("messages must not be empty", param="messages")
@@ -445,7 +434,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             choice,
             answer_format,
             template_kwargs=thinking,
-            images=intake[0].images if intake else None,
+            images=images.images,
         )
 
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:

@@ -20,14 +20,22 @@ import io
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.images import IMAGE_PART, DecodedImage
 from tokentape.errors import InvalidRequest
 
-__all__ = ["FETCH_TIMEOUT", "IMAGE_TYPES", "ImageIntake", "ImageLimits", "fetch_remote_images"]
+__all__ = [
+    "FETCH_TIMEOUT",
+    "IMAGE_TYPES",
+    "ImageIntake",
+    "ImageLimits",
+    "LazyIntake",
+    "fetch_remote_images",
+    "text_only_intake",
+]
 
 FETCH_TIMEOUT = 10.0  # seconds for one image URL
 
@@ -163,6 +171,29 @@ class ImageIntake:
                 param=where,
                 code="images_not_supported",
             )
+
+
+def text_only_intake() -> ImageIntake:
+    """The intake of a caller that takes no images (a text-only model): any image part is refused."""
+    return ImageIntake(ImageLimits(), vision=False)
+
+
+class LazyIntake:
+    """One request's intake, made on its first image: text-only requests never pay for one."""
+
+    def __init__(self, make: Callable[[], ImageIntake]) -> None:
+        self._make = make
+        self._intake: ImageIntake | None = None
+
+    def __call__(self) -> ImageIntake:
+        if self._intake is None:
+            self._intake = self._make()
+        return self._intake
+
+    @property
+    def images(self) -> dict[str, DecodedImage] | None:
+        """The request's images by digest; None when it brought none."""
+        return None if self._intake is None else self._intake.images
 
 
 class _Checked:

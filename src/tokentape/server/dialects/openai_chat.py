@@ -17,7 +17,7 @@ from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, CompletionCall, Event, Started, TextDelta
 from tokentape.server.dialects.common import Caller, chat_call, sampling_from_wire
-from tokentape.server.dialects.images import ImageIntake, joined, text_part
+from tokentape.server.dialects.images import ImageIntake, LazyIntake, joined, text_part
 from tokentape.server.dialects.wire import DONE, TokenText, sse
 from tokentape.server.errors import OPENAI_ERRORS
 from tokentape.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -90,16 +90,15 @@ class OpenAIChat(_OpenAI[ChatCompletionRequest]):
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as OpenAI answers it
         logprobs, top = bool(req.logprobs), req.top_logprobs
         sampling = sampling_from_wire(req, max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top, names=names)
-        intake: ImageIntake | None = None
+        intake = LazyIntake(self.context.image_intake)
         messages: list[Message] = []
         for i, message in enumerate(raw["messages"]):
             if _has_image_parts(message):  # text-only requests never come here
-                intake = intake or self.context.image_intake()
-                messages.append(_with_images(message, i, intake))
+                messages.append(_with_images(message, i, intake()))
             else:
                 messages.append(flatten_text_parts(message))
         tools, choice, answer_format = req.tools, req.tool_choice, req.response_format
-        images = intake.images if intake is not None else None
+        images = intake.images
         return chat_call(req, caller, messages, sampling, self.tool_format, tools, choice, answer_format, images=images)
 
     def _wire(self, req: ChatCompletionRequest, started: Started) -> WireBuilder:

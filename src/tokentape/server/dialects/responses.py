@@ -40,7 +40,7 @@ from tokentape.errors import InvalidRequest, NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
 from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
-from tokentape.server.dialects.images import ImageIntake, ImageLimits, joined, text_part
+from tokentape.server.dialects.images import ImageIntake, LazyIntake, joined, text_only_intake, text_part
 from tokentape.server.dialects.wire import TokenText, named_sse
 from tokentape.server.errors import OPENAI_ERRORS, ErrorShape
 from tokentape.server.serving import Dialect, DialectContext
@@ -131,7 +131,7 @@ def chat_messages(
     """Input items as chat messages. An assistant message and the function calls after it (and the
     reasoning item before them) are one assistant turn, as the chat API and the tape see it.
     `intake` gives the request's image intake (made on its first image)."""
-    images = intake or (lambda: ImageIntake(ImageLimits(), vision=False))
+    images = intake or text_only_intake
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -512,15 +512,9 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
                     param="previous_response_id",
                 )
             session_id = owner
-        intake: list[ImageIntake] = []
-
-        def images() -> ImageIntake:  # made on the first image: text-only requests never pay for one
-            if not intake:
-                intake.append(self.context.image_intake())
-            return intake[0]
-
+        images = LazyIntake(self.context.image_intake)
         messages: list[Message] = [*earlier, *chat_messages(req.input, images)]
-        if earlier and not intake and has_images(earlier):  # the continued conversation's images, recorded
+        if earlier and images.images is None and has_images(earlier):  # the continued conversation's images
             images()
         if not messages:
             raise InvalidRequest("input must not be empty", param="input")
@@ -550,7 +544,7 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
             choice,
             answer_format,
             session_id=session_id,
-            images=intake[0].images if intake else None,
+            images=images.images,
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
