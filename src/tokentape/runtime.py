@@ -75,7 +75,7 @@ def gguf_renderer(path: Path) -> Renderer:
 def hf_renderer(directory: Path) -> Renderer:
     template, tokenizer = load_model_dir(directory)
     renderer = Renderer(template, tokenizer)
-    renderer.vision = load_vision(directory, tokenizer)
+    renderer.vision = load_vision(directory, tokenizer, template.source)
     return renderer
 
 

@@ -108,18 +108,25 @@ def _token_id(tokenizer: Tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def load_vision(directory: Path | None, tokenizer: Tokenizer) -> VisionProcessor | None:
-    """The vision side of a model directory, or None for a text-only model. A vocabulary with
-    Qwen2-VL's vision tokens gets transformers' PIL Qwen2-VL image processor, set from the directory's
-    `preprocessor_config.json` when it has one (else that processor's defaults, Qwen2-VL's own)."""
+def load_vision(directory: Path | None, tokenizer: Tokenizer, template_source: str = "") -> VisionProcessor | None:
+    """The vision side of a model directory, or None for a text-only model. A model with Qwen2-VL's
+    vision tokens gets transformers' PIL Qwen2-VL image processor, set from the directory's
+    `preprocessor_config.json` when it has one (else that processor's defaults, Qwen2-VL's own).
+
+    The tokens alone do not make a vision model: Qwen2.5's and Qwen3's text models share the
+    vocabulary. A vision model's directory has an image processor's config, or its chat template
+    writes the image placeholder."""
     opener, pad, closer = (_token_id(tokenizer, name) for name in QWEN2_VL_TOKENS)
     if opener is None or pad is None or closer is None:
+        return None
+    config = directory / "preprocessor_config.json" if directory is not None else None
+    has_config = config is not None and config.is_file()
+    if not has_config and QWEN2_VL_TOKENS[1] not in template_source:
         return None
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     settings: dict[str, Any] = {}
-    config = directory / "preprocessor_config.json" if directory is not None else None
-    if config is not None and config.is_file():
+    if config is not None and has_config:
         saved = json.loads(config.read_text())
         known = (
             "min_pixels",
