@@ -1,4 +1,5 @@
-"""Reading an engine's event stream however its bytes are cut into packets."""
+"""Reading an engine's event stream however its bytes are cut into packets; the control routes'
+aiohttp pools. The generations' own HTTP/1.1 exchange is tests/engines/test_http1.py."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ async def test_lines_survive_any_cut() -> None:
         pool = ConnectionPool(url, limit=2, keepalive=None, timeout=aiohttp.ClientTimeout(total=30))
         try:
             async with pool.session().get("/") as response:
-                got = [line async for line in lines(response)]
+                got = [line async for line in lines(response.content.iter_any())]
         finally:
             await pool.close()
             server.close()

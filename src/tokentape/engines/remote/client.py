@@ -1,10 +1,10 @@
 """The HTTP/SSE exchange every remote adapter shares, and the one place where what goes wrong in it
 becomes an error of tokentape's tree (`exchange_errors`).
 
-Connections (aiohttp, `engines/http.py`): each engine gets one pool of keep-alive connections for
-generations, released on every way out of a request (finished, failed, cancelled), a small one for
-aborts and control calls, and one for health probes, so that a busy or wedged generation pool never
-makes a live engine look dead.
+Connections: each engine gets one pool of keep-alive connections for generations (`engines/http1.py`),
+released on every way out of a request (finished, failed, cancelled), and two aiohttp pools
+(`engines/http.py`): a small one for aborts and control calls, and one for health probes, so that a
+busy or wedged generation pool never makes a live engine look dead.
 
 Errors: a transport failure or a 5xx is `EngineFailure` (counts against the engine's health); a 4xx
 about this request is the request's error; anything the engine sends that its wire format does not
@@ -28,6 +28,7 @@ import orjson
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, SampledToken
 from tokentape.engines.http import ConnectionPool, lines
+from tokentape.engines.http1 import Http1Pool, PoolTimeout, TransportError
 from tokentape.engines.remote.wire import json_object, quote, token_id, token_ids
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
@@ -115,9 +116,9 @@ def mapped(
         if 400 <= exc.status < 500 and exc.status not in (408, 429):
             return InvalidRequest(f"the engine refused the request: {exc.words}")
         return EngineFailure(f"the engine answered {exc.status}: {exc.words}")
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # waited for a pooled connection too long
+    if isinstance(exc, (aiohttp.ConnectionTimeoutError, PoolTimeout)):  # waited for a pooled connection too long
         return EngineFailure(f"no connection to the engine at {url} came free in time")
-    if isinstance(exc, aiohttp.ClientError):
+    if isinstance(exc, (aiohttp.ClientError, TransportError)):
         return EngineFailure(f"the engine at {url} failed{'' if sending else ' mid-answer'}: {exc!r}")
     if isinstance(exc, TimeoutError):
         if not sending:  # the answer stopped coming
@@ -138,7 +139,7 @@ def exchange_errors(url: str, *, sending: bool = False, head_timeout: float | No
     and a ValueError or TypeError is the request's); otherwise it reads an answer."""
     try:
         yield
-    except (EngineAnswered, aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
+    except (EngineAnswered, aiohttp.ClientError, TransportError, TimeoutError, ValueError, TypeError) as exc:
         error = mapped(exc, url, sending=sending, head_timeout=head_timeout)
         if error is None:
             raise
@@ -173,14 +174,13 @@ class RemoteEngine:
             )
         self.logprobs_mode = logprobs_mode or (self.logprobs_modes[0] if self.logprobs_modes else "")
         self.vocab_size: int | None = None  # set by whoever knows the tokenizer: IDs beyond it are faults
-        self.http = ConnectionPool(
+        self.http = Http1Pool(
             self.base_url,
             limit=max_connections,
             keepalive=KEEPALIVE_EXPIRY,
-            # `connect` covers waiting for a pooled connection too; `sock_read` is the longest silence
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=POOL_TIMEOUT, sock_connect=CONNECT_TIMEOUT, sock_read=timeout
-            ),
+            connect_timeout=CONNECT_TIMEOUT,
+            pool_timeout=POOL_TIMEOUT,
+            read_timeout=timeout,  # the longest silence, before the head as after it
         )
         # Probes and aborts are rare and get a connection each, closed after use: an idle pooled one would
         # sit in CLOSE_WAIT once the engine drops it, since a pool only notices that on its next use.
@@ -286,7 +286,7 @@ class RemoteEngine:
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         with exchange_errors(self.base_url, sending=True, head_timeout=head_timeout):
             async with asyncio.timeout(head_timeout):
-                response = await self.http.session().post(path, data=data, headers=headers)
+                response = await self.http.post(path, data, headers)
         complete = False
         try:
             with exchange_errors(self.base_url):
@@ -295,9 +295,10 @@ class RemoteEngine:
                 if response.content_type == "application/json":
                     event = json_object(await response.read())
                     complete = True
+                    response.release()  # back in the pool now, however long the caller keeps this open
                     yield event
                     return
-                stream = lines(response)
+                stream = lines(response.chunks())
                 last: dict[str, Any] | None = None
                 async for line in stream:
                     if not line.startswith(b"data:"):
@@ -321,10 +322,11 @@ class RemoteEngine:
                             async for _ in stream:  # normally just `data: [DONE]`
                                 pass
                             complete = True
+                            response.release()
                     yield last
         finally:
-            # a response read to its end returns its connection to the pool; any other is closed, which
-            # is how the engine learns that nobody reads this generation any more
+            # a response read to its end returns its connection to the pool (released once); any other
+            # is closed, which is how the engine learns that nobody reads this generation any more
             if complete:
                 response.release()
             else:
