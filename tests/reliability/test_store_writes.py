@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -196,3 +197,22 @@ async def test_an_idle_writer_lets_the_caller_commit_a_lone_turn_but_never_a_dis
     assert ran_on and (all(t == here for t in ran_on) if synchronous == "NORMAL" else here not in ran_on)
     store.close()
     assert _stored_turns(path) == {"lone": [0, 1, 2]}
+
+
+async def test_after_a_lone_turn_on_the_loop_the_writer_still_waits_for_the_write_lock(tmp_path: Path) -> None:
+    """The caller's thread never waits for another connection's write lock; the writer's thread still
+    does (the busy timeout goes back when the connection changes hands), so a turn that meets a held
+    lock right after one committed on the loop waits for it and commits."""
+    path = tmp_path / "store.sqlite3"
+    store = SqliteStore(path)
+    tree = SessionTree("held", created_at=1.0)
+    assert await store.save_turn(tree, _turn(tree, [0]))  # committed on this thread
+    with _write_lock(path):
+        started = time.monotonic()
+        write = store.save_turn(tree, _turn(tree, [1]))
+        assert time.monotonic() - started < 0.1  # the loop did not wait for the lock
+        await asyncio.sleep(0.3)
+        assert not write.done()
+    assert await write
+    store.close()
+    assert _stored_turns(path) == {"held": [0, 1]}

@@ -144,12 +144,16 @@ class _Connection(asyncio.Protocol):
         """Until something new happened (bytes, the end, an error), at most `timeout` seconds."""
         if self.error is not None:
             raise self.error
-        self.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        # a timer on the loop rather than asyncio.timeout: this wait runs a few times a request
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout):
-                await self.waiter
+            await waiter
         finally:
             self.waiter = None
+            if timer is not None:
+                timer.cancel()
         if self.error is not None:
             raise self.error
 
@@ -166,6 +170,11 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class Http1Response:

@@ -135,6 +135,9 @@ class Worker(threading.Thread):
         self.using_db = threading.Lock()  # held while a thread works on the connection
         self.db: sqlite3.Connection | None = None
         self._connect = connect
+        # the caller's thread never waits for SQLite's write lock (busy_timeout 0); this thread does.
+        # The setting is changed only when the connection changes hands, not on every commit.
+        self._impatient = False
 
     def queue(self, job: Job) -> None:
         with self.counting:
@@ -149,13 +152,13 @@ class Worker(threading.Thread):
                 return False
         db = self.db
         try:
-            db.execute("PRAGMA busy_timeout = 0")
+            if not self._impatient:
+                db.execute("PRAGMA busy_timeout = 0")
+                self._impatient = True
             try:
                 db.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError:  # another connection writes: this thread does not wait for it
                 return False
-            finally:
-                db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             self._commit(db, [job], begun=True)
             return True
         finally:
@@ -186,6 +189,7 @@ class Worker(threading.Thread):
             assert isinstance(job, Job)
             if not job.write:
                 with self.using_db:
+                    self._patient(db)
                     _settle(job, db)
                 self._done(1)
                 continue
@@ -200,8 +204,15 @@ class Worker(threading.Thread):
                     break
                 batch.append(following)
             with self.using_db:
+                self._patient(db)
                 self._commit(db, batch)
             self._done(len(batch))
+
+    def _patient(self, db: sqlite3.Connection) -> None:
+        """On this thread, wait up to BUSY_TIMEOUT_MS for another connection's write lock."""
+        if self._impatient:
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._impatient = False
 
     def _done(self, jobs: int) -> None:
         with self.counting:

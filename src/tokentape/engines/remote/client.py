@@ -285,8 +285,11 @@ class RemoteEngine:
         head_timeout = HEAD_TIMEOUT if body.get("stream") else None
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         with exchange_errors(self.base_url, sending=True, head_timeout=head_timeout):
-            async with asyncio.timeout(head_timeout):
+            if head_timeout is None:  # bounded by the pool's silence timeout alone
                 response = await self.http.post(path, data, headers)
+            else:
+                async with asyncio.timeout(head_timeout):
+                    response = await self.http.post(path, data, headers)
         complete = False
         try:
             with exchange_errors(self.base_url):
