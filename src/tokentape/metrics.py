@@ -27,6 +27,7 @@ class GatewayMetrics:
         self._sessions_live = Gauge("tokentape_sessions_live", "Sessions in memory and not finished", registry=r)
         self._sessions_finished = Counter("tokentape_sessions_finished", "Sessions marked finished", registry=r)
         self._turns = Counter("tokentape_turns", "Turns recorded (one per choice)", ["finish_reason"], registry=r)
+        self._turns_by_reason: dict[str, Counter] = {}  # each label's child, looked up once per reason
         self._tokens_in = Counter(
             "tokentape_prompt_tokens", "Prompt tokens sent to the engine, one count per turn", registry=r
         )
@@ -68,7 +69,10 @@ class GatewayMetrics:
         self._sessions_finished.inc()
 
     def turn_recorded(self, *, prompt_tokens: int, sampled_tokens: int, finish_reason: str) -> None:
-        self._turns.labels(finish_reason=finish_reason).inc()
+        turns = self._turns_by_reason.get(finish_reason)
+        if turns is None:
+            turns = self._turns_by_reason[finish_reason] = self._turns.labels(finish_reason=finish_reason)
+        turns.inc()
         self._tokens_in.inc(prompt_tokens)
         self._tokens_out.inc(sampled_tokens)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -29,6 +30,9 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
+from tokentape.store.writer import Write
+
+T = TypeVar("T")
 
 BODY = {
     "model": MODEL_NAME,
@@ -41,17 +45,32 @@ RETRY = {"x-stainless-retry-count": "1"}
 
 
 class SlowStore(SqliteStore):
-    """A store whose turn writes wait until the test opens the gate (a slow disk)."""
+    """A store whose turn writes wait in its writer thread until the test opens the gate (a slow disk)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
+        self._commit_inline = False  # every write goes to the writer thread, which waits there
         self.entered = threading.Event()  # a turn write has started waiting
         self.gate = threading.Event()
+        self._turn_write = False
 
-    async def save_turn(self, tree: SessionTree, node: TurnNode, request_key: bytes | None = None) -> bool:
-        self.entered.set()
-        await asyncio.to_thread(self.gate.wait, 60)
-        return await super().save_turn(tree, node, request_key)
+    def save_turn(self, tree: SessionTree, node: TurnNode, request_key: bytes | None = None) -> Write[bool]:
+        self._turn_write = True
+        try:
+            return super().save_turn(tree, node, request_key)
+        finally:
+            self._turn_write = False
+
+    def _write(self, apply: Callable[[sqlite3.Connection], T], what: str) -> Write[T]:
+        if not self._turn_write:
+            return super()._write(apply, what)
+
+        def slowly(db: sqlite3.Connection) -> T:
+            self.entered.set()
+            self.gate.wait(60)
+            return apply(db)
+
+        return super()._write(slowly, what)
 
 
 Slow = tuple[str, SlowStore, threading.Event]  # the gateway's URL, its store, "it saw the client leave"

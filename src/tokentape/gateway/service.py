@@ -92,7 +92,7 @@ class Gateway:
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         vision = renderer.vision
         self._banned = tuple(sorted(vision.vision_token_ids)) if vision is not None else ()
-        self._writes: set[asyncio.Task[None]] = set()  # store writes not yet finished
+        self._writes: set[asyncio.Future[None]] = set()  # store writes not yet finished
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
         self.metrics = GatewayMetrics()
@@ -378,7 +378,7 @@ class Gateway:
             on_written=self.metrics.store_write,
         )
 
-    def _track_write(self, write: asyncio.Task[None]) -> None:
+    def _track_write(self, write: asyncio.Future[None]) -> None:
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
 

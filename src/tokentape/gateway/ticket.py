@@ -28,7 +28,7 @@ __all__ = ["Admission", "Ticket"]
 log = logging.getLogger("tokentape.gateway")
 
 
-def _log_failure(write: asyncio.Task[None]) -> None:
+def _log_failure(write: asyncio.Future[None]) -> None:
     """Failed writes are logged here, whether or not a request is still waiting for them."""
     if not write.cancelled() and (exc := write.exception()) is not None:
         log.error("%s", exc)
@@ -61,7 +61,7 @@ class Ticket:
         *,
         created: bool,
         key: bytes | None,
-        track_write: Callable[[asyncio.Task[None]], None],
+        track_write: Callable[[asyncio.Future[None]], None],
         on_written: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.sessions = sessions
@@ -75,7 +75,7 @@ class Ticket:
         self._claim: Claim | None = None
         self._admitted = False
         self._in_flight = False
-        self._writes: list[asyncio.Task[None]] = []
+        self._writes: list[asyncio.Future[None]] = []
 
     async def __aenter__(self) -> Ticket:
         return self
@@ -133,28 +133,44 @@ class Ticket:
         session.in_flight += 1
         self._in_flight = True
 
-    def write(self, node: TurnNode) -> asyncio.Task[None]:
-        """Start writing a recorded turn; the write runs to its end whatever happens to the request."""
+    def write(self, node: TurnNode) -> asyncio.Future[None]:
+        """Start writing a recorded turn; the write runs to its end whatever happens to the request.
+        The future it returns settles when the store's job does (a callback, not a task per turn:
+        a lone turn is usually committed before this returns)."""
+        session = self.session
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        started = time.monotonic()
 
-        async def save() -> None:
-            try:
-                started = time.monotonic()
-                saved = await self.sessions.store.save_turn(self.session.tree, node, self.key)
+        def fail(error: Exception) -> None:
+            session.unstored.add(node.id)
+            written.set_exception(error)
+
+        def settle(landed: asyncio.Future[bool]) -> None:
+            exc = StoreFailure("the write was cancelled") if landed.cancelled() else landed.exception()
+            if exc is not None:
+                error = StoreFailure(f"turn {node.id} of session {session.id!r} was not stored: {exc}")
+                error.__cause__ = exc
+                fail(error)
+            elif not landed.result():
+                fail(Conflict(f"session {session.id!r} was deleted", param="session_id", code="session_deleted"))
+            else:
                 self._on_written(time.monotonic() - started)
-            except Exception as exc:
-                self.session.unstored.add(node.id)
-                raise StoreFailure(f"turn {node.id} of session {self.session.id!r} was not stored: {exc}") from exc
-            if not saved:
-                self.session.unstored.add(node.id)
-                raise Conflict(f"session {self.session.id!r} was deleted", param="session_id", code="session_deleted")
+                written.set_result(None)
 
-        task = asyncio.get_running_loop().create_task(save())
-        task.add_done_callback(_log_failure)
-        self._writes.append(task)
-        self._track_write(task)
-        return task
+        try:
+            landing = self.sessions.store.save_turn(session.tree, node, self.key).landing()
+        except Exception as exc:  # the row could not even be made
+            error = StoreFailure(f"turn {node.id} of session {session.id!r} was not stored: {exc}")
+            error.__cause__ = exc
+            fail(error)
+        else:
+            landing.add_done_callback(settle)
+        written.add_done_callback(_log_failure)
+        self._writes.append(written)
+        self._track_write(written)
+        return written
 
     @staticmethod
-    async def durable(write: asyncio.Task[None]) -> None:
+    async def durable(write: asyncio.Future[None]) -> None:
         """Wait until a write is done (raising its error); cancelling the wait leaves the write running."""
         await asyncio.shield(write)

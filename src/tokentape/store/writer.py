@@ -48,6 +48,11 @@ class Write(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         return asyncio.shield(self._job.landing()).__await__()
 
+    def landing(self) -> asyncio.Future[T]:
+        """The future the result lands on, for a callback instead of an await (never cancel it)."""
+        landing: asyncio.Future[T] = self._job.landing()
+        return landing
+
     def done(self) -> bool:
         return self._job.settled
 
