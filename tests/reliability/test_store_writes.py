@@ -216,21 +216,3 @@ async def test_after_a_lone_turn_on_the_loop_the_writer_still_waits_for_the_writ
     assert await write
     store.close()
     assert _stored_turns(path) == {"held": [0, 1]}
-
-
-async def test_whether_a_session_is_stored_is_read_on_the_loop_when_the_reader_is_idle(tmp_path: Path) -> None:
-    """A new session's first request needs one index probe: run on the caller's thread when the
-    reader is idle, told as unknown (None) when the reader is busy or the database is locked."""
-    path = tmp_path / "store.sqlite3"
-    store = SqliteStore(path)
-    tree = SessionTree("kept", created_at=1.0)
-    assert await store.save_turn(tree, _turn(tree, [0]))
-    assert store._reader.db is not None
-    ran_on: list[int] = []
-    store._reader.db.set_trace_callback(lambda sql: ran_on.append(threading.get_ident()))
-    assert store.stored_now("kept") is True and store.stored_now("new") is False
-    assert ran_on and set(ran_on) == {threading.get_ident()}
-    with store._reader.using_db:  # the reader's thread has the connection: nobody waits for it here
-        assert store.stored_now("new") is None
-    store.close()
-    assert store.stored_now("new") is None

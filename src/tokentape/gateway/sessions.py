@@ -246,8 +246,6 @@ class SessionRegistry:
         resume in arrival order, so the first one claims its retry key before a retry looks."""
         reading = self._opening.get(session_id)
         if reading is None:
-            if self.store.stored_now(session_id) is False:  # a new session: nothing to read
-                return None, False
             reading = asyncio.get_running_loop().create_task(self.store.lookup(session_id))
             self._opening[session_id] = reading
             reading.add_done_callback(lambda _: self._opening.pop(session_id, None))

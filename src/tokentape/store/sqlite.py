@@ -257,8 +257,7 @@ class SqliteStore:
         return db
 
     def _connect_reader(self) -> sqlite3.Connection:
-        # used by the reader thread, and by an event loop's thread for a point read made while it is idle
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
+        db = sqlite3.connect(self.path, isolation_level=None)
         db.execute("PRAGMA query_only=ON")
         return db
 
@@ -337,15 +336,6 @@ class SqliteStore:
         """The stored session, None if there is none (or it was deleted); raises `StoreFailure`
         (session_corrupt) if its rows cannot be read."""
         return await self._read(lambda db: _load(db, session_id), f"read session {session_id!r}")
-
-    def stored_now(self, session_id: str) -> bool | None:
-        """Whether the store has a row for the session (deleted ones too), read on the caller's thread
-        (one index probe) when the reader is idle and the database answers at once; None when that
-        cannot be told without waiting. A new session's first request costs no thread hand-over."""
-        if self._closed:
-            return None
-        ran, row = self._reader.read_here(lambda db: _session_row(db, session_id))
-        return (row is not None) if ran else None
 
     async def lookup(self, session_id: str) -> tuple[SessionTree | None, bool]:
         """`load` and `is_deleted` in one read: (the stored session or None, whether it was deleted)."""

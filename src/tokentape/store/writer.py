@@ -127,8 +127,7 @@ class Worker(threading.Thread):
     """One thread, one connection, one queue. A writer commits the write jobs waiting together.
 
     A writer with nothing queued or in hand may instead have a write committed by its caller on the
-    caller's thread (`commit_here`): a lone turn then costs no hand-over to this thread and back. A
-    reader likewise may have a short read run on the caller's thread (`read_here`)."""
+    caller's thread (`commit_here`): a lone turn then costs no hand-over to this thread and back."""
 
     def __init__(self, name: str, connect: Callable[[], sqlite3.Connection]) -> None:
         super().__init__(name=name, daemon=True)
@@ -141,7 +140,7 @@ class Worker(threading.Thread):
         self.using_db = threading.Lock()  # held while a thread works on the connection
         self.db: sqlite3.Connection | None = None
         self._connect = connect
-        # the caller's thread never waits for SQLite's locks (busy_timeout 0); this thread does.
+        # the caller's thread never waits for SQLite's write lock (busy_timeout 0); this thread does.
         # The setting is changed only when the connection changes hands, not on every commit.
         self._impatient = False
 
@@ -158,7 +157,9 @@ class Worker(threading.Thread):
                 return False
         db = self.db
         try:
-            self._hurried(db)
+            if not self._impatient:
+                db.execute("PRAGMA busy_timeout = 0")
+                self._impatient = True
             try:
                 db.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError:  # another connection writes: this thread does not wait for it
@@ -167,28 +168,6 @@ class Worker(threading.Thread):
             return True
         finally:
             self.using_db.release()
-
-    def read_here(self, apply: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
-        """Run a short read on this (the caller's) thread if the worker is idle and the database
-        answers at once: (True, its result); (False, None) when it is to be queued instead."""
-        with self.counting:
-            if self.pending or self.db is None or not self.using_db.acquire(blocking=False):
-                return False, None
-        db = self.db
-        try:
-            self._hurried(db)
-            try:
-                return True, apply(db)
-            except sqlite3.OperationalError:  # locked, or worse: the worker's thread reads and reports it
-                return False, None
-        finally:
-            self.using_db.release()
-
-    def _hurried(self, db: sqlite3.Connection) -> None:
-        """On the caller's thread, never wait for another connection's lock."""
-        if not self._impatient:
-            db.execute("PRAGMA busy_timeout = 0")
-            self._impatient = True
 
     def run(self) -> None:
         try:
