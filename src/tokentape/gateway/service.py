@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,7 +233,11 @@ class Gateway:
     def run(self, call: Call, *, streamed: bool = True) -> AsyncGenerator[Event, None]:
         """Stream the events of one request: `Started`, then per choice its deltas and `ChoiceDone`.
         `streamed=False`: the caller reads only the result; each choice then has a single delta."""
-        return self.chat(call, streamed) if isinstance(call, ChatCall) else self.complete(call, streamed)
+        if not isinstance(call, ChatCall):
+            return self.complete(call, streamed)
+        if call.session_id is None and self.sessions.match_prefix:
+            return self.chat(call, streamed)
+        return self._serve(call, None, streamed)  # what `chat` does then, one generator fewer per request
 
     async def chat(self, call: ChatCall, streamed: bool = True) -> AsyncGenerator[Event, None]:
         match = None
@@ -248,7 +252,9 @@ class Gateway:
         async for event in self._serve(call, prompt, streamed):
             yield event
 
-    async def _serve(self, call: Call, completion_prompt: list[int] | None, streamed: bool) -> AsyncIterator[Event]:
+    async def _serve(
+        self, call: Call, completion_prompt: list[int] | None, streamed: bool
+    ) -> AsyncGenerator[Event, None]:
         async with await self._ticket(call) as ticket:
             session = ticket.session
             if call.retry:
