@@ -224,6 +224,12 @@ async def test_what_is_not_http_fails_and_a_header_with_a_line_break_is_never_se
         assert len(connections) == 1
 
 
+async def test_a_pool_for_an_engine_reached_another_way_refuses_only_when_used() -> None:
+    http = pool("ray://tokentape-engine-0")  # a Ray actor engine shares the remote plumbing, not HTTP
+    with pytest.raises(TransportError, match="http"):
+        await post(http)
+
+
 async def test_a_refused_connection_is_a_transport_error() -> None:
     async with raw_server(read_request) as (url, _):
         pass  # closed: nothing listens there any more

@@ -237,10 +237,12 @@ class Http1Pool:
         read_timeout: float | None,
     ) -> None:
         parts = urllib.parse.urlsplit(base_url)
+        # an engine that is reached another way (a Ray actor, `ray://name`) never posts through its pool
+        self._unusable: str | None = None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"an engine URL is http(s)://host[:port][/path]; got {base_url!r}")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+            self._unusable = f"an engine URL is http(s)://host[:port][/path]; got {base_url!r}"
+        self.host = parts.hostname or ""
+        self.port = (parts.port or (443 if parts.scheme == "https" else 80)) if self._unusable is None else 0
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
         self.limit = limit
@@ -269,6 +271,8 @@ class Http1Pool:
         """Send the request and wait for the answer's head. Raises `TransportError` (`PoolTimeout`
         when no connection came free) or TimeoutError (no head within `read_timeout`); ValueError for
         a header that HTTP cannot carry, before anything is sent."""
+        if self._unusable is not None:
+            raise TransportError(self._unusable)
         lines = [self._head]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
