@@ -214,8 +214,10 @@ class LlamaCppEngine:
         if constraint.kind == "json_schema":
             from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+            from tokentape.engines.gbnf import strict_strings
+
             try:
-                return str(json_schema_to_gbnf(constraint.value))
+                return strict_strings(str(json_schema_to_gbnf(constraint.value)))
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param="response_format") from exc
         raise InvalidRequest(

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokentape.core.reply import ToolFormat
 from tokentape.engines.base import Constraint
+from tokentape.engines.gbnf import strict_strings
 from tokentape.errors import InvalidRequest
 
 __all__ = ["output_constraint", "tool_names"]
@@ -93,7 +94,7 @@ def _gbnf(schemas: Mapping[str, Mapping[str, Any]]) -> str:
             converter.visit(resolved, rule)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise InvalidRequest(f"this schema cannot be enforced: {exc}", param="tools") from exc
-    return str(converter.format_grammar())
+    return strict_strings(str(converter.format_grammar()))
 
 
 def _tool_grammar(

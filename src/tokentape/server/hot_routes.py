@@ -52,15 +52,16 @@ class HotRoutes:
         body = await self.guard.admit(scope, receive, send)
         if body is not None:
             try:
-                await self._answer(scope, replaying(body, receive), send, handler, session_id)
+                await self._answer(scope, replaying(body, receive), send, handler, session_id, body)
             finally:
                 self.guard.release(scope)
 
     async def _answer(
-        self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None
+        self, scope: Scope, receive: Receive, send: Send, handler: Handler, session_id: str | None, body: bytes
     ) -> None:
         scope["path_params"] = {} if session_id is None else {"session_id": session_id}
         request = Request(scope, receive, send)
+        request._body = body  # already read by the guard: Starlette's own cache of it, not read again
         try:
             response = await handler(request)
         except Exception as exc:  # mapped as FastAPI's exception handlers map it
