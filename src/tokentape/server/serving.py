@@ -37,7 +37,6 @@ __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "
 SESSION_HEADER = "x-session-id"
 PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
-WATCH_AFTER = 0.02  # seconds an unstreamed answer takes before a disconnect is watched for
 
 Req = TypeVar("Req", bound=WireRequest)
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
@@ -199,13 +198,10 @@ async def _framed(
 async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
     """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
     recorded as aborted with what was sampled). The events are read in this task; a watcher task
-    cancels it on a disconnect. The watcher starts only once the answer has taken `WATCH_AFTER`
-    seconds: most answers come sooner, and a task per request is a good part of a short one's cost;
-    a client that leaves is then noticed at most that much later."""
+    cancels it on a disconnect."""
     collecting = asyncio.current_task()
     assert collecting is not None
     left = False
-    watcher: asyncio.Task[None] | None = None
 
     async def watch() -> None:
         nonlocal left
@@ -214,11 +210,7 @@ async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, No
         left = True
         collecting.cancel()
 
-    def start_watching() -> None:
-        nonlocal watcher
-        watcher = asyncio.ensure_future(watch())
-
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER, start_watching)
+    watcher = asyncio.create_task(watch())
     try:
         async with contextlib.aclosing(events) as stream:
             choices = [event async for event in stream if isinstance(event, ChoiceDone)]
@@ -229,9 +221,7 @@ async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, No
         raise
     finally:
         # nothing suspends between the last event and here, so the watcher cannot cancel afterwards
-        timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
+        watcher.cancel()
     if left:  # a cancellation that some step below took as its own: take the request back
         collecting.uncancel()
     return choices
