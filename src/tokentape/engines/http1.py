@@ -300,7 +300,7 @@ class Http1Pool:
     async def _exchange(self, request: list[bytes]) -> _Connection:
         """The connection whose answer's head has come (the slot is the caller's)."""
         for attempt in range(2):
-            conn = await self._connection()
+            conn = await self._connection(kept=attempt == 0)
             try:
                 conn.start(request)
                 while not conn.head_done:
@@ -317,9 +317,11 @@ class Http1Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _connection(self) -> _Connection:
+    async def _connection(self, *, kept: bool = True) -> _Connection:
+        """A kept connection if one is idle and young enough (`kept`), else a new one. After a kept
+        one turned out dropped, the others kept as long are likely dropped too: the retry is new."""
         now = time.monotonic()
-        while self._idle:
+        while kept and self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive:
                 conn.reused = True
