@@ -77,6 +77,21 @@ async def test_answers_are_read_whole_and_their_connection_serves_the_next() -> 
         await http.close()
 
 
+async def test_a_base_url_with_a_path_prefixes_every_request() -> None:
+    """An engine behind a reverse proxy at http://host/some/path: requests go under that path."""
+    seen: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(OK % (2, b"{}"))
+
+    async with raw_server(answer) as (url, _):
+        http = pool(f"{url}/engines/a/")
+        assert await post(http) == b"{}"
+        assert seen[0].startswith(b"POST /engines/a/v1/completions HTTP/1.1\r\n")
+        await http.close()
+
+
 async def test_lines_survive_any_cut() -> None:
     long_line = b"data: " + b"x" * 3_000_000  # beyond HIGH_WATER: reading pauses and resumes
     expected = [b'data: {"a": 1}', b"", long_line, b"", b": comment", b"data: [DONE]", b"", b"tail"]
