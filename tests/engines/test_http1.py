@@ -120,6 +120,31 @@ async def test_lines_survive_any_cut() -> None:
         assert got == expected, (trial, [g[:40] for g in got])
 
 
+async def test_an_answer_not_read_holds_the_engine_back_instead_of_filling_memory() -> None:
+    """Past HIGH_WATER buffered bytes the connection stops reading: a 64 MB answer that nobody reads
+    for a while cannot be written whole (the engine's writes wait), and arrives whole once read."""
+    size = 64 << 20
+    written: list[float] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+        written.append(asyncio.get_running_loop().time())
+
+    async with raw_server(answer) as (url, _):
+        http = pool(url)
+        response = await http.post("/", b"{}", {})
+        waited_until = asyncio.get_running_loop().time() + 0.5
+        await asyncio.sleep(0.5)  # nobody reads
+        assert not written, "the whole answer was taken in while nobody read it"
+        assert len(await response.read()) == size
+        assert written and written[0] >= waited_until
+        response.release()
+        await http.close()
+
+
 async def test_a_kept_connection_the_engine_dropped_is_retried_on_a_new_one() -> None:
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
