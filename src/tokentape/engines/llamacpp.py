@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ import numpy as np
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
+from tokentape.engines.gbnf import schema_grammar
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
@@ -212,12 +214,8 @@ class LlamaCppEngine:
         if constraint.kind == "grammar":
             return constraint.value
         if constraint.kind == "json_schema":
-            from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-            from tokentape.engines.gbnf import strict_strings
-
             try:
-                return strict_strings(str(json_schema_to_gbnf(constraint.value)))
+                return schema_grammar({"": json.loads(constraint.value)})
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise InvalidRequest(f"the JSON schema cannot be enforced: {exc}", param="response_format") from exc
         raise InvalidRequest(

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokentape.core.reply import ToolFormat
 from tokentape.engines.base import Constraint
-from tokentape.engines.gbnf import strict_strings
+from tokentape.engines.gbnf import schema_grammar
 from tokentape.errors import InvalidRequest
 
 __all__ = ["output_constraint", "tool_names"]
@@ -81,20 +81,11 @@ def _call_schema(tool: Mapping[str, Any], arguments_key: str) -> dict[str, Any]:
 
 
 def _gbnf(schemas: Mapping[str, Mapping[str, Any]]) -> str:
-    """JSON schemas as GBNF rules, each entered by the rule it is keyed by (llama.cpp's own
-    converter; one converter, so the rules they share are written once)."""
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    converter: Any = SchemaConverter(  # type: ignore[no-untyped-call]
-        prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
-    )
-    for rule, schema in schemas.items():
-        try:
-            resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "request")
-            converter.visit(resolved, rule)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise InvalidRequest(f"this schema cannot be enforced: {exc}", param="tools") from exc
-    return strict_strings(str(converter.format_grammar()))
+    """The tool schemas as GBNF rules (`engines.gbnf`), each entered by the rule it is keyed by."""
+    try:
+        return schema_grammar(schemas)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise InvalidRequest(f"this schema cannot be enforced: {exc}", param="tools") from exc
 
 
 def _tool_grammar(
