@@ -18,6 +18,7 @@ __all__ = [
     "SampledToken",
     "logprob_mode",
     "takes_images",
+    "vllm_logprob_mode",
 ]
 
 # What a recorded logprob is a log-probability under; the trainer's importance ratio is only right
@@ -82,6 +83,15 @@ def logprob_mode(params: SamplingParams, *, scaled: bool, truncated_by: Sequence
     if any(cut[name] for name in truncated_by):
         return "temperature_scaled_truncated"
     return "temperature_scaled_untruncated"
+
+
+def vllm_logprob_mode(params: SamplingParams, setting: str) -> LogprobMode:
+    """The mode of the logprobs vLLM reports under its `logprobs_mode` `setting`: the processed ones
+    ("processed_logprobs", "processed_logits") after the temperature and its three truncations, the
+    raw ones before all of them."""
+    if setting.startswith("processed"):
+        return logprob_mode(params, scaled=True, truncated_by=("top_k", "top_p", "min_p"))
+    return logprob_mode(params, scaled=False)
 
 
 class Engine(Protocol):

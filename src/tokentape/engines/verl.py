@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, SampledToken, vllm_logprob_mode
 from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
 
 __all__ = ["ServerManager", "VerlEngine", "verl_request"]
@@ -143,8 +143,7 @@ class VerlEngine:
             top_k=max(top_k, 0),
             min_p=float(trainer.get("min_p", 0.0) or 0.0),
         )
-        processed = self.logprobs_mode.startswith("processed")
-        return logprob_mode(params, scaled=processed, truncated_by=("top_k", "top_p", "min_p") if processed else ())
+        return vllm_logprob_mode(params, self.logprobs_mode)
 
     async def generate(
         self,

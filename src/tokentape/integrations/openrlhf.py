@@ -44,7 +44,7 @@ import openai
 
 from tokentape.client import InProcessGateway
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, SampledToken, logprob_mode
+from tokentape.engines.base import Constraint, SampledToken, vllm_logprob_mode
 from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry, check_policy
@@ -136,8 +136,7 @@ class VLLMEngine:
             raise InvalidRequest("the trainer's engine is not asked for constrained output", param="response_format")
         vllm = self.vllm_params(len(prompt), params, seed)
         # vLLM reports raw logprobs unless the trainer started it with logprobs_mode=processed_logprobs
-        processed = str(getattr(self.llm_engine, "logprobs_mode", "") or "").startswith("processed")
-        mode = logprob_mode(params, scaled=processed, truncated_by=("top_k", "top_p", "min_p") if processed else ())
+        mode = vllm_logprob_mode(params, str(getattr(self.llm_engine, "logprobs_mode", "") or ""))
         output = await self.llm_engine.generate(list(prompt), vllm)
         completion = output.outputs[0]
         logprobs = completion.logprobs or []

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
 from tokentape.engines.remote.updates import Need, UpdatableRemote
 from tokentape.engines.remote.vllm_images import RENDER_ROUTE, RenderCache, features, render_body, rendered_image
 from tokentape.engines.remote.wire import (
@@ -110,9 +110,7 @@ class VLLMEngine(UpdatableRemote):
         self.weight_version = version
 
     def logprob_mode(self, params: SamplingParams) -> LogprobMode:
-        if self.logprobs_mode == "processed_logprobs":
-            return logprob_mode(params, scaled=True, truncated_by=("top_k", "top_p", "min_p"))
-        return logprob_mode(params, scaled=False)
+        return vllm_logprob_mode(params, self.logprobs_mode)  # one of `logprobs_modes`
 
     def _body(
         self,
