@@ -148,6 +148,15 @@ def process(
                 child.wait()
 
 
+def scripted_engine(
+    port: int, tokenizer: Path | None, log: Path
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """The scripted vLLM-format engine on `port`, answering in `tokenizer`'s vocabulary (SmolLM2's if None)."""
+    vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
+    command = [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(port), *vocabulary]
+    return process(command, f"http://127.0.0.1:{port}/health", log)
+
+
 def peer_python() -> Path:
     """The peer's own virtualenv, created once from PyPI and kept under benchmarks/.cache."""
     venv = CACHE / "peer-venv"
@@ -355,14 +364,7 @@ async def main(args: argparse.Namespace) -> None:
     turns = args.turns
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, True)  # last out: the stores, logs and worktrees
-        vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
-        stack.enter_context(
-            process(
-                [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(engine_port), *vocabulary],
-                f"{engine}/health",
-                scratch / "engine.log",
-            )
-        )
+        stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log"))
         targets: list[Target] = []
         versions = [("tokentape", None)] + [(f"tokentape@{rev}", rev) for rev in args.baseline_commit]
         for name, rev in versions:

@@ -33,7 +33,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # the same harness
-    HERE,
     TEMPLATES,
     Target,
     checkout,
@@ -42,6 +41,7 @@ from overhead import (  # the same harness
     load,
     model_dir,
     process,
+    scripted_engine,
     tokentape_command,
 )
 
@@ -125,14 +125,7 @@ async def main(args: argparse.Namespace) -> None:
     tokenizer = model_dir(args, scratch)
     profiled: list[Profiled] = []
     with contextlib.ExitStack() as stack:
-        vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
-        stack.enter_context(
-            process(
-                [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(engine_port), *vocabulary],
-                f"{engine}/health",
-                scratch / "engine.log",
-            )
-        )
+        stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log"))
         for label in args.commit or ["HEAD"]:
             env = None
             if label != "HEAD":  # HEAD: the working tree, as imported by this interpreter
