@@ -23,6 +23,15 @@ ADD_TOOL = {
 }
 
 
+def add_tool_result(arguments: str) -> str:
+    """What the add tool answers to a call's arguments: the sum, or an error the model can read."""
+    try:
+        args = json.loads(arguments)
+        return str(int(args["a"]) + int(args["b"]))
+    except (ValueError, KeyError, TypeError):
+        return "error: add takes two integers a and b"
+
+
 async def _model(client: openai.AsyncOpenAI) -> str:
     return (await client.models.list()).data[0].id
 
@@ -59,11 +68,7 @@ async def tool_agent(client: openai.AsyncOpenAI, prompt: str, label: str) -> dic
         if message.tool_calls:
             for call in message.tool_calls:
                 tool_calls += 1
-                try:
-                    args = json.loads(call.function.arguments)
-                    result = str(int(args["a"]) + int(args["b"]))
-                except (ValueError, KeyError, TypeError):
-                    result = "error: add takes two integers a and b"
+                result = add_tool_result(call.function.arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             continue
         answers += 1

@@ -3,12 +3,11 @@ user would name them in the `agent` key of verl's agent loop YAML."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import openai
 
-from tests.integrations.openrlhf_agents import ADD_TOOL
+from tests.integrations.openrlhf_agents import ADD_TOOL, add_tool_result
 
 FOLLOW_UP = "Thank you. Say it once more, briefly."
 SUMMARY = "Summary of the talk so far: the user asked a question and the assistant answered it."
@@ -33,11 +32,7 @@ async def tool_agent(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]]) -
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls or ():
             tool_calls += 1
-            try:
-                args = json.loads(call.function.arguments)
-                result = str(int(args["a"]) + int(args["b"]))
-            except (ValueError, KeyError, TypeError):
-                result = "error: add takes two integers a and b"
+            result = add_tool_result(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         if not message.tool_calls:
             messages.append({"role": "user", "content": FOLLOW_UP})
