@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,15 @@ class Target:
     name: str
     base_url: str  # where a session's client points (a format string with {session})
     process: subprocess.Popen[bytes] | None  # the gateway (None for direct)
+    # False: each episode builds its own client, as an agent written against a per-session base URL
+    # does (and pays for: ~0.15 ms a call in the openai SDK at 4 calls an episode, whatever it points
+    # at). True: one client for the whole run, the session named per call in the X-Session-Id header.
+    one_client: bool = False
+
+    @property
+    def direct(self) -> str:
+        """The direct run this target is compared with: the one whose client does the same work."""
+        return DIRECT_ONE_CLIENT if self.one_client else "direct"
 
 
 def _wait(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
@@ -208,39 +217,43 @@ async def load(
     failures: list[str] = []
     limits = httpx2.Limits(max_connections=sessions + 8, max_keepalive_connections=sessions + 8)
     async with httpx2.AsyncClient(limits=limits, timeout=120) as http:  # the openai SDK's HTTP client
-        clients: dict[str, openai.AsyncOpenAI] = {}
-
-        def client_for(session: str) -> openai.AsyncOpenAI:
-            url = target.base_url.format(session=session)
-            if url not in clients:
-                clients[url] = _client(http, url)
-            return clients[url]
+        shared = _client(http, target.base_url) if target.one_client else None
 
         async def agent(i: int, calls: int) -> None:
             messages: list[dict[str, Any]] = []
             episode = 0
+            client = shared
+            headers: dict[str, str] = {}
             for call in range(calls):
                 if call % turns == 0:
                     episode += 1
                     messages = [{"role": "system", "content": "You are a careful agent."}]
-                client = client_for(f"{tag}-{i}-{episode}")
+                    session = f"{tag}-{i}-{episode}"
+                    if shared is None:
+                        client = _client(http, target.base_url.format(session=session))
+                    else:
+                        headers = {"X-Session-Id": session}
+                assert client is not None
                 messages.append({"role": "user", "content": f"Step {call} of agent {i}: what should we do next?"})
                 start = time.perf_counter()
                 try:
-                    content = await ask(client, messages, start)
+                    content = await ask(client, messages, start, headers)
                 except openai.APIError as exc:
                     failures.append(f"{type(exc).__name__}: {str(exc)[:120]}")
                     messages.pop()
                     continue
                 messages.append({"role": "assistant", "content": content})
 
-        async def ask(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], start: float) -> str:
+        async def ask(
+            client: openai.AsyncOpenAI, messages: list[dict[str, Any]], start: float, headers: dict[str, str]
+        ) -> str:
             if stream:
                 chunks = await client.chat.completions.create(
                     model="scripted",
                     messages=messages,
                     max_tokens=MAX_TOKENS,
                     stream=True,
+                    extra_headers=headers,
                 )
                 content = ""
                 async for chunk in chunks:
@@ -253,6 +266,7 @@ async def load(
                 model="scripted",
                 messages=messages,
                 max_tokens=MAX_TOKENS,
+                extra_headers=headers,
             )
             latencies.append(time.perf_counter() - start)
             return reply.choices[0].message.content or ""
@@ -275,11 +289,13 @@ def med(values: list[float]) -> float:
 
 
 PEER_NAME = "rllm-model-gateway"
+ONE_CLIENT = ", one client"
+DIRECT_ONE_CLIENT = "direct" + ONE_CLIENT
 
 
-def ours(runs: dict[str, list[Run]]) -> list[str]:
-    """The tokentape targets of a run (HEAD first, then the baseline commit, if any)."""
-    return [name for name in runs if name.startswith("tokentape")]
+def ours(names: Iterable[str]) -> list[str]:
+    """The tokentape targets addressed per-session URL (HEAD first, then the baseline commits, if any)."""
+    return [name for name in names if name.startswith("tokentape") and not name.endswith(ONE_CLIENT)]
 
 
 def cpu_ratio(runs: dict[str, list[Run]], name: str, other: str) -> float:
@@ -288,7 +304,8 @@ def cpu_ratio(runs: dict[str, list[Run]], name: str, other: str) -> float:
     return med([a.cpu_per_request / b.cpu_per_request for a, b in pairs])
 
 
-def report(level: int, runs: dict[str, list[Run]]) -> dict[str, float]:
+def report(level: int, runs: dict[str, list[Run]], compared_with: dict[str, str]) -> dict[str, float]:
+    """Print one level's table; `compared_with` names the direct run each target is held against."""
     direct = runs["direct"]
     print(
         f"\n{level} session{'s' if level > 1 else ''}: {len(direct)} rounds, medians "
@@ -300,9 +317,10 @@ def report(level: int, runs: dict[str, list[Run]]) -> dict[str, float]:
     )
     figures: dict[str, float] = {}
     for name, rounds in runs.items():
-        added = med([r.p50 - d.p50 for r, d in zip(rounds, direct, strict=True)])
-        ratio = med([r.rate / d.rate for r, d in zip(rounds, direct, strict=True)])
-        gateway = name != "direct"
+        baseline = runs[compared_with[name]]
+        added = med([r.p50 - d.p50 for r, d in zip(rounds, baseline, strict=True)])
+        ratio = med([r.rate / d.rate for r, d in zip(rounds, baseline, strict=True)])
+        gateway = not name.startswith("direct")
         print(
             f"{name:>22} {med([r.rate for r in rounds]):>8.0f} {med([r.p50 for r in rounds]):>8.2f} "
             f"{med([r.p99 for r in rounds]):>8.2f} "
@@ -378,6 +396,8 @@ async def main(args: argparse.Namespace) -> None:
                 process(command, f"http://127.0.0.1:{port}/health", scratch / f"{name}.log", env=env)
             )
             targets.append(Target(name, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", gateway))
+            if rev is None:
+                header_addressed = Target(name + ONE_CLIENT, f"http://127.0.0.1:{port}/v1", gateway, one_client=True)
         peer = stack.enter_context(
             process(
                 [
@@ -402,9 +422,15 @@ async def main(args: argparse.Namespace) -> None:
         targets += [
             Target(PEER_NAME, f"http://127.0.0.1:{peer_port}/sessions/{{session}}/v1", peer),
             Target("direct", f"{engine}/v1", None),
+            header_addressed,
+            Target(DIRECT_ONE_CLIENT, f"{engine}/v1", None, one_client=True),
         ]
+        compared_with = {t.name: t.direct for t in targets}
+        # session IDs are unique to a target: two targets share HEAD's gateway, and a session that
+        # another target already played through would be continued, not started
+        key = {t.name: f"t{i}-" for i, t in enumerate(targets)}
         for target in targets:  # warm up: imports, connections, first sessions
-            await load(target, 2, 16, "warmup", turns=turns)
+            await load(target, 2, 16, f"{key[target.name]}warmup", turns=turns)
         template = f"tokenizer {tokenizer}" if args.tokenizer else f"{args.template}'s chat template"
         print(
             f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
@@ -418,24 +444,29 @@ async def main(args: argparse.Namespace) -> None:
             for round_ in range(args.rounds):
                 order = targets[round_ % count :] + targets[: round_ % count]
                 for target in order:
-                    runs[target.name].append(await load(target, level, requests, f"c{level}r{round_}", turns=turns))
-            summary[level] = report(level, runs)
+                    runs[target.name].append(
+                        await load(target, level, requests, f"{key[target.name]}c{level}r{round_}", turns=turns)
+                    )
+            summary[level] = report(level, runs, compared_with)
         if args.stream:  # time to first token at one session
             ttft: dict[str, list[Run]] = {t.name: [] for t in targets}
             for round_ in range(args.rounds):
                 order = targets[round_ % count :] + targets[: round_ % count]
                 for target in order:
-                    run = await load(target, 1, args.requests // 2, f"s{round_}", stream=True, turns=turns)
+                    run = await load(
+                        target, 1, args.requests // 2, f"{key[target.name]}s{round_}", stream=True, turns=turns
+                    )
                     ttft[target.name].append(run)
-            direct_ttft = ttft["direct"]
             print("\nstreamed, 1 session: time to first token")
             for name, rounds in ttft.items():
-                added = med([r.p50 - d.p50 for r, d in zip(rounds, direct_ttft, strict=True)])
-                extra = f"  added {added:+.2f} ms" if name != "direct" else ""
+                baseline = ttft[compared_with[name]]
+                added = med([r.p50 - d.p50 for r, d in zip(rounds, baseline, strict=True)])
+                extra = f"  added {added:+.2f} ms" if not name.startswith("direct") else ""
                 print(f"{name:>22} p50 {med([r.p50 for r in rounds]):.2f} ms{extra}")
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
         print("\ntargets: CPU/req <= 0.5x the peer's at 1, 16 and 64; req/s >= 0.9 of direct at 16 and 64")
-        names = [t.name for t in targets if t.name.startswith("tokentape")]
+        print("(req/s and added p50 against the direct run whose client does the same work)")
+        names = ours(t.name for t in targets)
         for level, figures in summary.items():
             for name in names:
                 print(
@@ -444,6 +475,11 @@ async def main(args: argparse.Namespace) -> None:
                     f"{figures[f'{PEER_NAME}:cpu']:.2f} ms/req ({figures[f'{name}:vs_peer']:.2f}x), "
                     f"req/s {figures[f'{name}:ratio']:.2f} of direct (peer {figures[f'{PEER_NAME}:ratio']:.2f})"
                 )
+            one = names[0] + ONE_CLIENT
+            print(
+                f"{level:>4} sessions {one:>20}: added {figures[f'{one}:added']:+.2f} ms, "
+                f"req/s {figures[f'{one}:ratio']:.2f} of {DIRECT_ONE_CLIENT}"
+            )
 
 
 if __name__ == "__main__":

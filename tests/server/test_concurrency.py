@@ -1,5 +1,5 @@
 """Concurrent calls on one session: each lands as its own turn, and each branch holds exactly what
-its call was served."""
+its call was served; requests that arrive together let what is ready run before they are planned."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.core.sampling import SamplingParams
+from tokentape.core.session import SessionTree
+from tokentape.gateway.calls import ChatCall, ChoiceDone, Event
+from tokentape.gateway.planning import Plan
+from tokentape.gateway.service import Gateway
 
 
 async def _call(http: httpx.AsyncClient, messages: list[dict[str, Any]], seed: int, stream: bool) -> dict[str, Any]:
@@ -47,3 +53,33 @@ async def test_parallel_calls_on_one_session_become_separate_exact_turns(http: h
         assert whole in branches
     head = first["prompt"] + first["ids"]
     assert all(call["prompt"][: len(head)] == head for call in calls[:6])
+
+
+async def test_a_request_lets_what_is_ready_run_before_it_is_planned(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that arrive together are not each planned and sent in one step while answers already
+    back wait behind them: a request gives the loop a turn once it is admitted, before its planning.
+    The session is in memory (its second request), so nothing else on the way suspends."""
+    call = ChatCall(
+        messages=[{"role": "user", "content": "Hi"}],
+        sampling=SamplingParams(max_tokens=2, temperature=0.0),
+        session_id="together",
+    )
+    assert [e async for e in gateway.run(call, streamed=False) if isinstance(e, ChoiceDone)]
+    order: list[str] = []
+    plan = gateway.planner.chat
+
+    async def planned(tree: SessionTree, call: ChatCall) -> Plan:
+        order.append("planned")
+        return await plan(tree, call)
+
+    monkeypatch.setattr(gateway.planner, "chat", planned)
+
+    async def again() -> list[Event]:
+        return [event async for event in gateway.run(call, streamed=False)]
+
+    request = asyncio.create_task(again())
+    asyncio.get_running_loop().call_soon(order.append, "ready before it")  # queued just after its first step
+    assert any(isinstance(event, ChoiceDone) for event in await request)
+    assert order == ["ready before it", "planned"]
