@@ -13,6 +13,12 @@ into its own virtualenv (cached under benchmarks/.cache, a benchmark dependency 
 with its SQLite store as its README shows; it forwards chat requests, so the template is the
 engine's business there. "direct" sends the same chat requests straight to the engine.
 
+Each agent builds a client for each episode (as an agent written against a per-session base URL
+does) in every target, direct included, so the client's own work is the same everywhere: the client
+(one process, about one core) is what bounds throughput at 16 and 64 sessions, and a client per
+episode alone costs it 6-11% there. "tokentape, one client" keeps one client for the whole run and
+names each call's session in the X-Session-Id header; it is held against "direct, one client".
+
 `--baseline-commit REV` adds a second tokentape, the code of REV (a temporary git worktree, run with
 this virtualenv and PYTHONPATH on its src/), to the same rounds: a regression shows in one run, beside
 the peer, under the same load.
