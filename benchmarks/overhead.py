@@ -390,6 +390,7 @@ async def main(args: argparse.Namespace) -> None:
         stack.callback(shutil.rmtree, scratch, True)  # last out: the stores, logs and worktrees
         stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log"))
         targets: list[Target] = []
+        header_addressed: Target | None = None  # HEAD's gateway again, one client naming sessions in a header
         versions = [("tokentape", None)] + [(f"tokentape@{rev}", rev) for rev in args.baseline_commit]
         for name, rev in versions:
             port = free_port()
@@ -428,9 +429,9 @@ async def main(args: argparse.Namespace) -> None:
         targets += [
             Target(PEER_NAME, f"http://127.0.0.1:{peer_port}/sessions/{{session}}/v1", peer),
             Target("direct", f"{engine}/v1", None),
-            header_addressed,
-            Target(DIRECT_ONE_CLIENT, f"{engine}/v1", None, one_client=True),
         ]
+        assert header_addressed is not None
+        targets += [header_addressed, Target(DIRECT_ONE_CLIENT, f"{engine}/v1", None, one_client=True)]
         compared_with = {t.name: t.direct for t in targets}
         # session IDs are unique to a target: two targets share HEAD's gateway, and a session that
         # another target already played through would be continued, not started
