@@ -145,12 +145,15 @@ class Ticket:
             session.unstored.add(node.id)
             written.set_exception(error)
 
+        def not_stored(exc: BaseException) -> None:
+            error = StoreFailure(f"turn {node.id} of session {session.id!r} was not stored: {exc}")
+            error.__cause__ = exc
+            fail(error)
+
         def settle(landed: asyncio.Future[bool]) -> None:
             exc = StoreFailure("the write was cancelled") if landed.cancelled() else landed.exception()
             if exc is not None:
-                error = StoreFailure(f"turn {node.id} of session {session.id!r} was not stored: {exc}")
-                error.__cause__ = exc
-                fail(error)
+                not_stored(exc)
             elif not landed.result():
                 fail(Conflict(f"session {session.id!r} was deleted", param="session_id", code="session_deleted"))
             else:
@@ -160,9 +163,7 @@ class Ticket:
         try:
             landing = self.sessions.store.save_turn(session.tree, node, self.key).landing()
         except Exception as exc:  # the row could not even be made
-            error = StoreFailure(f"turn {node.id} of session {session.id!r} was not stored: {exc}")
-            error.__cause__ = exc
-            fail(error)
+            not_stored(exc)
         else:
             landing.add_done_callback(settle)
         written.add_done_callback(_log_failure)
