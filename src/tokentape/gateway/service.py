@@ -235,13 +235,17 @@ class Gateway:
         `streamed=False`: the caller reads only the result; each choice then has a single delta."""
         if not isinstance(call, ChatCall):
             return self.complete(call, streamed)
-        if call.session_id is None and self.sessions.match_prefix:
+        if self._matches_prefix(call):
             return self.chat(call, streamed)
         return self._serve(call, None, streamed)  # what `chat` does then, one generator fewer per request
 
+    def _matches_prefix(self, call: ChatCall) -> bool:
+        """Whether the request goes to the one live session its history extends (unnamed, matching on)."""
+        return call.session_id is None and self.sessions.match_prefix
+
     async def chat(self, call: ChatCall, streamed: bool = True) -> AsyncGenerator[Event, None]:
         match = None
-        if call.session_id is None and self.sessions.match_prefix:  # the one live session it extends, if any
+        if self._matches_prefix(call):
             match = self.sessions.match(call.messages)
             call = dataclasses.replace(call, session_id=match.session_id)
         async for event in self._serve(call, None, streamed):
