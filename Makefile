@@ -84,9 +84,8 @@ package: setup  ## sdist and wheel; the wheel in a fresh virtualenv: --version, 
 # fixtures stay on one worker); each worker's embedded engine runs one thread. The 20 slowest close it.
 TEST_WORKERS ?= $(shell nproc)
 
-unit: setup browser  ## the tests alone
+unit: setup browser  ## the tests but the Ray cluster's (in a new order each run, under a new sampling salt)
 	$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --durations=20
-	$(MAKE) --no-print-directory ray-tests
 
 # Ray looks up its node address by "connecting" toward a public address even when pinned to
 # loopback: as root its tests run in a network namespace that has only `lo`; elsewhere they skip.
@@ -96,7 +95,23 @@ on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
 ray-tests: setup  ## the Ray cluster tests, on loopback only
 	$(call on_loopback,$(PY) -m pytest tests/ray)
 
-test: lint typecheck unit package  ## everything CI runs (the tests build the docs strictly too)
+# Every stage runs, whatever failed before it, and each is reported; the run fails at the end if any did.
+# One sampling salt for all of them (tests/conftest.py): printed here, TOKENTAPE_SAMPLING_SALT=N reproduces it.
+TEST_STAGES := lint typecheck unit ray-tests package
+
+test: setup browser  ## everything CI runs, every stage reported (the tests build the docs strictly too)
+	@salt="$${TOKENTAPE_SAMPLING_SALT-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"; \
+	echo "sampling salt for this run: $${salt:-off} (reproduce with TOKENTAPE_SAMPLING_SALT=$$salt make test)"; \
+	report=""; failed=0; passed=0; \
+	for stage in $(TEST_STAGES); do \
+		start=$$(date +%s); \
+		if TOKENTAPE_SAMPLING_SALT="$$salt" $(MAKE) --no-print-directory $$stage; then result=passed; passed=$$((passed + 1)); \
+		else result=FAILED; failed=$$((failed + 1)); fi; \
+		report="$$report$$(printf '  %-10s %-7s %4ss' $$stage $$result $$(( $$(date +%s) - start )))\n"; \
+	done; \
+	printf "\nmake test, stage by stage (sampling salt $${salt:-off}):\n$$report"; \
+	echo "stages: $$passed passed, $$failed failed"; \
+	test $$failed = 0
 
 bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; memory per token; embedded tokens/s
 	$(PY) benchmarks/turn_cost.py

@@ -1,7 +1,15 @@
-"""Shared fixtures: the embedded model is loaded once per test run and shared."""
+"""Shared fixtures: the embedded model is loaded once per test run and shared.
+
+The suite runs the embedded engine in its sampling-salt mode (`tokentape.engines.sampling_salt`): what
+the model samples changes from run to run, as it would on another machine, so no test may rest on a
+particular sample. The salt is printed in the header; `TOKENTAPE_SAMPLING_SALT=N` reproduces a run,
+`TOKENTAPE_SAMPLING_SALT=` (empty) turns the mode off. Tests marked `numerics` compare logprobs with an
+independent computation and run without it."""
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -9,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tokentape.engines import sampling_salt
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
@@ -20,6 +29,25 @@ from tokentape.server.app import create_app
 
 MODEL_NAME = "smollm2-135m-instruct"
 OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Set once, in the controller, before xdist starts its workers (they and every server subprocess
+    # inherit it); a salt given by the caller is kept.
+    if sampling_salt.SALT_ENV not in os.environ:
+        os.environ[sampling_salt.SALT_ENV] = str(secrets.randbelow(2**31))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    salt = os.environ.get(sampling_salt.SALT_ENV) or "off"
+    return f"sampling salt: {salt} (reproduce with {sampling_salt.SALT_ENV}={salt if salt != 'off' else ''})"
+
+
+@pytest.fixture(autouse=True)
+def _numerics_without_jitter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `numerics` test compares recorded logprobs with an independent forward pass: no jitter."""
+    if request.node.get_closest_marker("numerics") is not None:
+        monkeypatch.delenv(sampling_salt.SALT_ENV, raising=False)
 
 
 @pytest.fixture(scope="session")

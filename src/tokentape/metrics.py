@@ -7,7 +7,8 @@ when scraped. Each gateway has its own registry, so several in one process never
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -55,14 +56,33 @@ class GatewayMetrics:
         self._overloaded = Counter(
             "tokentape_overloaded_rejections", "Requests answered 429 because too many were waiting", registry=r
         )
+        self._worker_faults = Gauge(
+            "tokentape_engine_worker_faults",
+            "Errors the embedded engine's worker caught and survived (each failed only its own generations)",
+            registry=r,
+        )
+        self._worker_restarts = Gauge(
+            "tokentape_engine_worker_restarts",
+            "Times the embedded engine's worker thread died and was started again",
+            registry=r,
+        )
         self._store = Histogram(
             "tokentape_store_write_seconds", "Writing one turn to the store", buckets=STORE_BUCKETS, registry=r
         )
 
     # -- gauges, read when scraped ---------------------------------------------------------------------
-    def watch(self, *, live_sessions: Callable[[], int], active_requests: Callable[[], int]) -> None:
+    def watch(
+        self,
+        *,
+        live_sessions: Callable[[], int],
+        active_requests: Callable[[], int],
+        engine: Callable[[], Mapping[str, Any]] = dict,
+    ) -> None:
+        """`engine`: the engine's own account of itself (`describe()`), for its worker's counters."""
         self._sessions_live.set_function(lambda: float(live_sessions()))
         self._queue.set_function(lambda: float(active_requests()))
+        self._worker_faults.set_function(lambda: float(engine().get("worker_faults", 0)))
+        self._worker_restarts.set_function(lambda: float(engine().get("worker_restarts", 0)))
 
     # -- events ----------------------------------------------------------------------------------------
     def session_finished(self) -> None:

@@ -4,15 +4,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tokentape.errors import InvalidRequest
 
-__all__ = ["SamplingParams", "MAX_CHOICES", "MAX_STOP_SEQUENCES", "MAX_TOP_LOGPROBS", "MAX_SEED"]
+__all__ = [
+    "SamplingParams",
+    "GREEDY_BELOW",
+    "MAX_CHOICES",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_ENTRIES",
+    "MAX_PENALTY",
+    "MAX_REPETITION_PENALTY",
+    "MAX_STOP_SEQUENCES",
+    "MAX_TOP_LOGPROBS",
+    "MAX_SEED",
+]
 
 MAX_CHOICES = 16  # n > 16 multiplies one request into minutes of CPU generation
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 MAX_SEED = 2**63 - 1
+# vLLM's threshold (_SAMPLING_EPS): a temperature below it is greedy. Dividing logits by a subnormal
+# temperature overflows them to infinity, so every engine gets 0 instead.
+GREEDY_BELOW = 1e-5
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_REPETITION_PENALTY = 2.0  # vLLM's repetition_penalty: (0, 2] here; 1 is off
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +51,19 @@ class SamplingParams:
     n: int = 1
     # tokens the engine must not sample (a vision model's image placeholders): logit bias -100
     banned_token_ids: tuple[int, ...] = ()
+    # What reshapes the logits before the temperature, in vLLM's order: the bias, then the penalties.
+    # Each changes the distribution a trainer must recompute, so each is recorded with the turn.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) sorted by token
+    presence_penalty: float = 0.0  # minus this from every token already sampled in this choice
+    frequency_penalty: float = 0.0  # minus this times how often it was sampled in this choice
+    repetition_penalty: float = 1.0  # vLLM's: positive logits / it, negative * it, over prompt and output
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         _check_range("temperature", self.temperature, 0.0, 2.0)
+        if self.temperature < GREEDY_BELOW:  # -0.0 and subnormals included: greedy, as vLLM takes them
+            object.__setattr__(self, "temperature", 0.0)
         _check_range("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
             raise InvalidRequest("top_p must be greater than 0", param="top_p")
@@ -55,11 +82,52 @@ class SamplingParams:
             raise InvalidRequest("top_logprobs requires logprobs", param="top_logprobs")
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
+        _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequest("repetition_penalty must be greater than 0", param="repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens", param="logit_bias")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequest(f"logit_bias names token {token}, which is not a token ID", param="logit_bias")
+            _check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
-    def distribution(self) -> dict[str, float]:
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether a bias or a penalty changes the logits before the temperature."""
+        return (
+            bool(self.logit_bias)
+            or bool(self.presence_penalty or self.frequency_penalty)
+            or (self.repetition_penalty != 1.0)
+        )
+
+    def reshaping(self) -> dict[str, Any]:
+        """The bias and penalties that are set, under vLLM's (and OpenAI's) names: what a remote
+        engine is sent besides the temperature and the cuts (`logit_bias` keyed by token ID text)."""
+        fields: dict[str, Any] = {}
+        if self.logit_bias:
+            fields["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        if self.presence_penalty:
+            fields["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            fields["frequency_penalty"] = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            fields["repetition_penalty"] = self.repetition_penalty
+        return fields
+
+    def distribution(self) -> dict[str, Any]:
         """The settings that shape the distribution a token is sampled from (what a trainer's logprobs
-        must be computed under), as recorded on each turn."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        must be computed under), as recorded on each turn. The bias and the penalties appear only when
+        set, so a turn that recorded none reads as before."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            **self.reshaping(),
+        }
 
     def choice_seed(self, index: int) -> int | None:
         """Each of n choices gets its own stream, still reproducible from one seed."""

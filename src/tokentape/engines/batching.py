@@ -11,6 +11,12 @@ skips the prefix its slot still holds (`slots.SlotTable`). When the cache is ful
 used idle slot is emptied; if none is idle, the generation that joined last gives its KV back and
 waits to be recomputed (its sampled tokens, its random state and its grammar state kept), so one
 client's long turn never fails another's.
+
+No request can stop the worker: an error while sampling one generation fails that generation alone;
+an error anywhere else in a step fails the generations of that step, whose KV is dropped, and the
+worker serves on (`faults`). Should the worker thread die anyway, it is started again on the next
+submission or by a waiting caller's check (`ensure_alive`, `restarts`), and everything it held is
+failed, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,11 +35,13 @@ import numpy as np
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import LogprobMode, SampledToken
-from tokentape.engines.sampler import sample_token
+from tokentape.engines.sampler import LogitShaper, sample_token
 from tokentape.engines.slots import SlotTable, shared_prefix
 from tokentape.errors import InvalidRequest
 
-__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "DONE"]
+__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "WorkerFault", "DONE"]
+
+log = logging.getLogger("tokentape.engine")
 
 DONE = object()  # the last item a generation's listener gets
 _CLOSE = object()
@@ -148,11 +157,17 @@ class Generation:
     limit: int  # tokens it may sample
     mode: LogprobMode
     mask: Any = None  # a _GrammarMask, made on the worker
+    shaper: LogitShaper | None = None  # the request's logit bias and penalties, if any
     slot: Any = None  # its slots.Slot while it runs
     fed: int = 0  # how many of `tokens` its slot's KV holds
     sampled: int = 0
     admitted: int = 0  # the step it joined at (the last to join gives its KV back first)
     reused: list[int] = field(default_factory=list)  # prompt tokens taken from the cache, per admission
+    finished: bool = False  # its listener has had DONE (once, whatever path ended it)
+
+
+class WorkerFault(RuntimeError):
+    """The engine's worker failed while it held this generation (not the request's fault)."""
 
 
 @dataclass(eq=False)
@@ -190,28 +205,78 @@ class Batcher:
         self.steps = 0
         self.batched_sequences = 0  # sequences sampled from, summed over steps: / steps = mean batch
         self.preempted = 0
+        self.faults = 0  # errors the worker caught and survived (each failed the generations it concerned)
+        self.restarts = 0  # times the worker thread died and was started again
         self._threads: int | None = None
-        self._thread = threading.Thread(target=self._work, name="llamacpp", daemon=True)
-        self._thread.start()
+        self._closing = False
+        self._reviving = threading.Lock()
+        self._thread = self._launch()
 
     # -- from any thread -------------------------------------------------------------------------------
     def submit(self, generation: Generation) -> None:
         self._inbox.put(generation)
+        self.ensure_alive()
 
     def call(self, run: Callable[[], Any]) -> Future[Any]:
         """Run `run` on the worker once every generation submitted before has ended; its result."""
         done: Future[Any] = Future()
         self._inbox.put(_Command(run, done))
+        self.ensure_alive()
         return done
 
     def request_threads(self, threads: int) -> None:
         self._threads = threads  # applied by the worker before its next step
 
     def close(self) -> None:
+        self._closing = True
         self._inbox.put(_CLOSE)
+        self.ensure_alive()
         self._thread.join()
 
+    def ensure_alive(self) -> bool:
+        """Start the worker again if its thread has died; whether it had."""
+        if self._thread.is_alive():
+            return False
+        with self._reviving:
+            if self._thread.is_alive():
+                return False
+            self.restarts += 1
+            log.error("the embedded engine's worker had stopped; started again (restart %d)", self.restarts)
+            self._thread = self._launch(revived=True)
+            return True
+
+    def _launch(self, *, revived: bool = False) -> threading.Thread:
+        thread = threading.Thread(target=self._serve, args=(revived,), name="llamacpp", daemon=True)
+        thread.start()
+        return thread
+
     # -- the worker ------------------------------------------------------------------------------------
+    def _serve(self, revived: bool) -> None:
+        """The worker's life: serve until closed; whatever escapes a step fails what the worker held
+        at that moment, and it serves on."""
+        if revived:  # what the dead thread held is in an unknown state: fail it, forget its KV
+            self._recover(WorkerFault("the engine's worker stopped while generating; it has been restarted"))
+        while True:
+            try:
+                self._work()
+                return
+            except BaseException as exc:
+                self.faults += 1
+                log.exception("the embedded engine's worker failed a step; the generations in it fail, it serves on")
+                self._recover(WorkerFault(f"the engine's worker failed: {type(exc).__name__}: {exc}"))
+                time.sleep(0)  # let callers see their errors before the next step
+
+    def _recover(self, failure: Exception) -> None:
+        """Fail every running generation (their KV is dropped: what the failed step left is unknown)."""
+        for generation in list(self.active):
+            try:
+                if generation.slot is not None:
+                    self.native.cut(generation.slot.seq_id, 0)
+                    generation.slot.tokens = []
+            finally:
+                generation.emit(failure)
+                self._finish(generation)
+
     def _work(self) -> None:
         while True:
             if not self.active and not self._pending:
@@ -309,13 +374,18 @@ class Batcher:
     def _finish(self, generation: Generation) -> None:
         if generation in self.active:
             self.active.remove(generation)
-        if generation.slot is not None:
-            self.slots.release(generation.slot)
-            generation.slot = None
-        if generation.mask is not None:
-            generation.mask.close()
-            generation.mask = None
-        self._on_finish(generation)
+        if generation.finished:
+            return
+        generation.finished = True
+        try:
+            if generation.slot is not None:
+                self.slots.release(generation.slot)
+                generation.slot = None
+            if generation.mask is not None:
+                mask, generation.mask = generation.mask, None
+                mask.close()
+        finally:
+            self._on_finish(generation)
 
     def _give_back(self, generation: Generation) -> None:
         """Free the KV of a running generation; it waits at the front of the queue to be recomputed."""
@@ -396,12 +466,21 @@ class Batcher:
         if generation.cancel.is_set():
             self._finish(generation)
             return
+        try:
+            self._sample_one(generation, logits)
+        except Exception as exc:
+            self.faults += 1
+            log.warning("sampling failed for one generation: %s: %s", type(exc).__name__, exc)
+            generation.emit(exc)
+            self._finish(generation)
+
+    def _sample_one(self, generation: Generation, logits: np.ndarray) -> None:
         if generation.mask is not None:
             logits = generation.mask.apply(logits)
             if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
                 self._finish(generation)
                 return
-        token, logprob, top = sample_token(logits, generation.params, generation.rng)
+        token, logprob, top = sample_token(logits, generation.params, generation.rng, generation.shaper)
         self.tokens_sampled += 1
         generation.sampled += 1
         alternatives = tuple((t, lp) for t, lp in top if np.isfinite(lp))
@@ -411,6 +490,8 @@ class Batcher:
             return
         if generation.mask is not None:
             generation.mask.accept(token)
+        if generation.shaper is not None:
+            generation.shaper.accept(token)
         generation.tokens.append(token)
 
     def reset_slots(self) -> None:

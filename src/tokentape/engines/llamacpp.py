@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
+from tokentape.engines import sampling_salt
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
 from tokentape.engines.gbnf import schema_grammar
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
+from tokentape.engines.sampler import LogitShaper
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
@@ -45,6 +47,9 @@ __all__ = ["DEFAULT_PARALLEL", "LlamaCppEngine", "LlamaCppSettings", "all_thread
 # (the weights are read once per step), up to where the matmuls become compute-bound.
 DEFAULT_PARALLEL = 16
 _MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: KV slots, running or cached
+# A caller that has heard nothing for this long checks that the worker still lives (and starts it again
+# if not): a generation is never waited on forever.
+_WORKER_CHECK_SECONDS = 5.0
 
 
 def default_threads() -> int:
@@ -152,6 +157,12 @@ class LlamaCppEngine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}", param="messages"
             )
+        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise InvalidRequest(
+                f"logit_bias names token {outside[0]}; the model's vocabulary has {self.vocab_size} tokens",
+                param="logit_bias",
+            )
         grammar = self.grammar_text(constraint) if constraint is not None else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -165,7 +176,7 @@ class LlamaCppEngine:
         generation = Generation(
             tokens=list(prompt),
             params=params,
-            rng=np.random.default_rng(seed),
+            rng=np.random.default_rng(sampling_salt.salted_seed(seed)),
             session=session_id,
             grammar=grammar,
             cancel=cancel,
@@ -173,13 +184,19 @@ class LlamaCppEngine:
             stop_ids=self._end_of_turn | frozenset(params.stop_token_ids),
             limit=room if params.max_tokens is None else min(params.max_tokens, room),
             mode=logprob_mode(params, scaled=True),  # the sampler records logits / temperature, untruncated
+            shaper=LogitShaper(params, prompt, self.vocab_size) if LogitShaper.needed(params) else None,
         )
         with self._counting:
             self.waiting += 1
         self._batcher.submit(generation)
         try:
             while True:
-                item = await queue.get()
+                try:
+                    async with asyncio.timeout(_WORKER_CHECK_SECONDS):
+                        item = await queue.get()
+                except TimeoutError:
+                    self._batcher.ensure_alive()  # a revived worker fails what the dead one held
+                    continue
                 if item is DONE:
                     break
                 if isinstance(item, InvalidRequest):
@@ -243,6 +260,8 @@ class LlamaCppEngine:
             "steps": batcher.steps,
             "mean_batch": round(batcher.batched_sequences / batcher.steps, 2) if batcher.steps else 0.0,
             "preempted": batcher.preempted,
+            "worker_faults": batcher.faults,
+            "worker_restarts": batcher.restarts,
             "weights_version": self.weights_version,
             "adapter": None if self.adapter_path is None else str(self.adapter_path),
             "model_file": str(self.model_path),

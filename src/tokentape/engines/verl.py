@@ -80,6 +80,7 @@ def verl_request(
     request["stop_token_ids"] = sorted(stops)
     if seed is not None:
         request["seed"] = seed
+    request.update(params.reshaping())  # the request's bias and penalties: vLLM's and SGLang's names
     return request
 
 

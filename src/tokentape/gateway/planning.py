@@ -165,7 +165,7 @@ class Planner:
     async def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """A completion's prompt as token IDs (text is tokenized; IDs are checked against the vocabulary)."""
         if isinstance(prompt, str):
-            tokens = await asyncio.to_thread(self.renderer.tokenizer.encode, prompt)
+            tokens = await asyncio.to_thread(self.renderer.encode_prompt_text, prompt)
         else:
             tokens = list(prompt)
             vocab = self.renderer.tokenizer.vocab_size

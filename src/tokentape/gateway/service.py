@@ -96,7 +96,9 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()  # engine drains
         self._started = False
         self.metrics = GatewayMetrics()
-        self.metrics.watch(live_sessions=sessions.live, active_requests=lambda: self.admission.active)
+        self.metrics.watch(
+            live_sessions=sessions.live, active_requests=lambda: self.admission.active, engine=self.engine.describe
+        )
 
     # -- life ----------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -120,6 +120,8 @@ class VLLMEngine:
         vllm.stop = None  # stop strings are the gateway's: it cuts text, never tokens
         vllm.stop_token_ids = sorted(set(params.stop_token_ids) | self._end_of_turn)
         vllm.logprobs = params.top_logprobs  # vLLM always adds the sampled token's own logprob
+        for name, value in params.reshaping().items():  # the request's bias and penalties
+            setattr(vllm, name, {int(t): b for t, b in value.items()} if name == "logit_bias" else value)
         return vllm
 
     async def generate(

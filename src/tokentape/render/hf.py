@@ -66,6 +66,12 @@ class HFTokenizer:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        plain = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())  # a copy: the flag is the tokenizer's own
+        plain.encode_special_tokens = True
+        ids: list[int] = plain.encode(text, add_special_tokens=False).ids
+        return ids
+
     @functools.lru_cache(maxsize=262144)  # noqa: B019 - bounded; tokenizers live as long as the server
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:

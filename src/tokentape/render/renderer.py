@@ -18,6 +18,7 @@ from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after
 from tokentape.core.messages import Message, same_inputs, template_inputs
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
+from tokentape.render.quoting import QuotedSpecials
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.render.vision import VisionProcessor
@@ -103,6 +104,8 @@ class Renderer:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer) -> None:
         self.template = template
         self.tokenizer = tokenizer
+        self._vision: VisionProcessor | None = None
+        self._quoted: QuotedSpecials | None = None
         self.native_tools = "tools" in template.source  # the template lists the tools itself
         detected = detect_tool_format(template.source)
         self.native_tool_calls = detected is not None  # the template renders tool calls in history
@@ -113,8 +116,30 @@ class Renderer:
         # Templates that carry state across messages (DeepSeek-R1 opens its tool outputs once per
         # conversation) need bridges rendered from the first message; Jinja is cheap beside tokenizing.
         self.anchor_safe, self.anchor_difference = self._probe_anchor()
-        # the model's image processor and placeholder tokens; None: a text-only model, images refused
-        self.vision: VisionProcessor | None = None
+
+    @property
+    def vision(self) -> VisionProcessor | None:
+        """The model's image processor and placeholder tokens; None: a text-only model, images refused."""
+        return self._vision
+
+    @vision.setter
+    def vision(self, vision: VisionProcessor | None) -> None:
+        self._vision = vision
+        # its vision tokens are never taken from message text (`render.quoting`)
+        self._quoted = QuotedSpecials(self.tokenizer, vision.vision_token_ids) if vision is not None else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token IDs of text this renderer rendered (special tokens parsed, quoted ones as text)."""
+        return self.tokenizer.encode(text) if self._quoted is None else self._quoted.encode(text)
+
+    def encode_prompt_text(self, text: str) -> list[int]:
+        """A raw prompt's token IDs (completions): as `encode`, its vision-token strings kept as text."""
+        if self._quoted is None:
+            return self.tokenizer.encode(text)
+        return self._quoted.encode(self._quoted.quote_text(text))
+
+    def _shown(self, text: str) -> str:
+        return text if self._quoted is None else self._quoted.unquote(text)
 
     def _takes_object_arguments(self) -> bool:
         """Whether the template wants tool-call arguments as objects (it iterates or `tojson`s them,
@@ -142,7 +167,7 @@ class Renderer:
     def prompt(self, messages: Sequence[Message], options: RenderOptions) -> Prompt:
         """The whole conversation rendered with a generation prompt, tokenized once."""
         text = self.render_text(messages, True, options)
-        return Prompt(self.tokenizer.encode(text), text, _opens_reasoning(text))
+        return Prompt(self.encode(text), self._shown(text), _opens_reasoning(text))
 
     # -- bridges -----------------------------------------------------------------------------------
     def bridge(
@@ -183,8 +208,8 @@ class Renderer:
                 else "the chat template renders an earlier reply differently once new messages follow"
             )
         return Bridge(
-            self.tokenizer.encode(text),
-            text,
+            self.encode(text),
+            self._shown(text),
             template_rewrite=rewrite,
             opens_reasoning=_opens_reasoning(with_new),
             detail=detail,
@@ -263,6 +288,8 @@ class Renderer:
     ) -> tuple[list[Message], Sequence[Mapping[str, Any]] | None]:
         """Messages as templates expect them; tool-less templates get the default tool format."""
         prepared = [_for_template(m, self.arguments_as_objects) for m in messages]
+        if self._quoted is not None:
+            prepared = [self._quoted.quote_message(m) for m in prepared]
         if self.native_tools or not (options.tools or any(_uses_tools(m) for m in prepared)):
             return prepared, options.tools
         if not self.native_tool_calls:

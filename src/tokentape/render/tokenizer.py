@@ -23,6 +23,10 @@ class Tokenizer(Protocol):
         """Token IDs of `text`, special tokens parsed, nothing added."""
         ...
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token IDs of `text` with special-token strings in it taken as plain text."""
+        ...
+
     def token_bytes(self, token_id: int) -> bytes:
         """Bytes a token contributes to visible text (empty for control tokens)."""
         ...
@@ -80,15 +84,18 @@ class GGUFTokenizer:
                 pass
         return self.llama_encode(text)
 
-    def llama_encode(self, text: str) -> list[int]:
-        """llama.cpp's encoding (the reference)."""
+    def encode_plain(self, text: str) -> list[int]:
+        return self.llama_encode(text, special=False)
+
+    def llama_encode(self, text: str, *, special: bool = True) -> list[int]:
+        """llama.cpp's encoding (the reference); `special`: special-token strings parsed."""
         # llama.cpp's own call, with a buffer as long as the text can need (a token covers at least one
         # byte): llama-cpp-python's wrapper tries a buffer of the training context first, which a
         # vocabulary-only model reports as 0, so it tokenized every text twice
         data = text.encode("utf-8", "surrogatepass")
         room = len(data) + 2
         tokens = (self._token_array * room)()
-        count = self._tokenize(self._vocab, data, len(data), tokens, room, False, True)
+        count = self._tokenize(self._vocab, data, len(data), tokens, room, False, special)
         if count < 0:
             raise RuntimeError(f"llama.cpp could not tokenize {len(data)} bytes (it needed {-count} tokens)")
         return tokens[:count]

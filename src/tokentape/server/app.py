@@ -182,7 +182,7 @@ def create_app(
             messages = [flatten_text_parts(m) for m in raw["messages"]]
             options = RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs)
             text = gateway.renderer.render_text(messages, req.add_generation_prompt, options)
-            tokens = tokenizer.encode(text)
+            tokens = gateway.renderer.encode(text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": gateway.engine.context_length}
 
     @openai_routes.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))

@@ -68,6 +68,10 @@ class SamplingFields(WireRequest):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     stream_options: dict[str, Any] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, ChatFields):

@@ -56,6 +56,10 @@ class Sample:
     dropped: dict[str, int] = field(default_factory=dict)  # sampled tokens left out, by reason
 
 
+# Recorded only when a turn set them (`SamplingParams.reshaping`): each changes the logits before the temperature.
+RESHAPING = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def check_sampling(export: dict[str, Any], branch: dict[str, Any], expected: Mapping[str, float]) -> None:
     """Every sampled turn of `branch` was sampled with the settings the trainer computes its logprobs
     under (`expected`: temperature, top_p, top_k, min_p): ValueError naming the turn otherwise, so a
@@ -72,8 +76,10 @@ def check_sampling(export: dict[str, Any], branch: dict[str, Any], expected: Map
             for name, value in expected.items()
             if not (isinstance(settings.get(name), (int, float)) and math.isclose(settings[name], value))
         }
+        # a bias or a penalty the trainer does not apply reshaped the distribution the token came from
+        differ.update({name: settings[name] for name in RESHAPING if name in settings and name not in expected})
         if differ:
-            wanted = {name: expected[name] for name in differ}
+            wanted = {name: expected.get(name, "not applied") for name in differ}
             raise ValueError(f"{where} was sampled with {differ}; the trainer computes its logprobs with {wanted}")
 
 

@@ -129,6 +129,8 @@ def sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int,
         "stop_token_ids": list(params.stop_token_ids),
         "skip_special_tokens": False,  # stop tokens were sampled: their text stays
     }
+    fields.update(params.reshaping())  # the request's bias and penalties, under the names both take
     if params.banned_token_ids:  # OpenAI's logit_bias, as both take it: -100 bans a token
-        fields["logit_bias"] = {str(token): BANNED for token in params.banned_token_ids}
+        banned = {str(token): BANNED for token in params.banned_token_ids}
+        fields["logit_bias"] = {**fields.get("logit_bias", {}), **banned}
     return fields

@@ -28,6 +28,7 @@ __all__ = [
     "chat_call",
     "chat_function_tool",
     "sampling_from_wire",
+    "UNAPPLIED_FIELDS",
 ]
 
 Number = StrictInt | StrictFloat
@@ -49,6 +50,7 @@ class ChatFields(WireRequest):
 
     top_k: StrictInt | None = None
     min_p: Number | None = None
+    repetition_penalty: Number | None = None
     seed: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     rewrite_policy: StrictStr | None = None
@@ -63,6 +65,55 @@ class Caller:
     request_key: bytes  # names the request by where it went and what it said
     retry: bool  # an SDK retry: replay the recorded answer, never sample again
     trace_id: str | None = None
+
+
+# Sampling fields OpenAI's or vLLM's APIs define that no engine here applies: each is refused (400, naming
+# it) when set to anything but its no-op value, so no client believes it sampled under a setting it did
+# not. (field: (its no-op values, why it is refused))
+UNAPPLIED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "best_of": ((None, 1), "ranking several candidates per choice is not supported; ask for n choices"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "ignore_eos": ((None, False), "ignore_eos is not supported: the turn ends at the model's end-of-turn token"),
+    "allowed_token_ids": ((None, []), "allowed_token_ids is not supported; use logit_bias"),
+    "bad_words": ((None, []), "bad_words is not supported; use logit_bias"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated: the tape records every token"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "guided_json": ((None,), "use response_format"),
+    "guided_regex": ((None,), "use response_format"),
+    "guided_choice": ((None,), "use response_format"),
+    "guided_grammar": ((None,), "use response_format"),
+    "structured_outputs": ((None,), "use response_format"),
+    "suffix": ((None, ""), "completions with a suffix are not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "text is the only output modality"),
+    "include_stop_str_in_output": ((None, False), "stop strings are never included in the output"),
+}
+
+
+def _refuse_unapplied(req: BaseModel, names: Mapping[str, str] | None) -> None:
+    sent = {**(req.model_extra or {}), **req.__dict__}
+    for field, (no_ops, why) in UNAPPLIED_FIELDS.items():
+        # a no-op value of its own type only: `true` is not 1, and `1.0` is not `[]`
+        if field in sent and not any(sent[field] == v and type(sent[field]) is type(v) for v in no_ops):
+            wire = (names or {}).get(field, field)
+            raise InvalidRequest(f"{wire} is not applied by this gateway: {why}", param=wire)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ID as text -> bias) as (token, bias) pairs by token."""
+    if value is None:
+        return ()
+    pairs = []
+    for key, bias in value.items():
+        text = str(key).strip()
+        if not (text.isascii() and text.lstrip("-").isdigit()) or len(text) > 20:
+            raise InvalidRequest(f"logit_bias keys are token IDs, got {str(key)[:40]!r}", param="logit_bias")
+        pairs.append((int(text), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def sampling_from_wire(
@@ -84,7 +135,10 @@ def sampling_from_wire(
     fields = req.__dict__  # declared fields only: an undeclared one a client sends (kept as an extra) is not read
     temperature, top_p, top_k = fields.get("temperature"), fields.get("top_p"), fields.get("top_k")
     min_p, n = fields.get("min_p"), fields.get("n")
+    presence, frequency = fields.get("presence_penalty"), fields.get("frequency_penalty")
+    repetition = fields.get("repetition_penalty")
     stop = fields.get("stop") if stop is None else stop
+    _refuse_unapplied(req, names)
     try:
         if top_k is not None and top_k < -1:
             raise InvalidRequest(f"top_k must be -1 or 0 (off) or positive, got {top_k}", param="top_k")
@@ -100,6 +154,10 @@ def sampling_from_wire(
             logprobs=logprobs,
             top_logprobs=top_logprobs or 0,
             n=1 if n is None else n,
+            logit_bias=_logit_bias(fields.get("logit_bias")),
+            presence_penalty=0.0 if presence is None else float(presence),
+            frequency_penalty=0.0 if frequency is None else float(frequency),
+            repetition_penalty=1.0 if repetition is None else float(repetition),
         )
     except InvalidRequest as exc:
         wire_name = (names or {}).get(exc.param or "")

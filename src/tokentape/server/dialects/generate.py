@@ -21,7 +21,7 @@ from tokentape.engines.base import SampledToken
 from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChoiceDone, CompletionCall, Event, Started, TextDelta
-from tokentape.server.dialects.common import Caller, Number, WireRequest, sampling_from_wire
+from tokentape.server.dialects.common import UNAPPLIED_FIELDS, Caller, Number, WireRequest, sampling_from_wire
 from tokentape.server.dialects.wire import DONE, TokenText, sse
 from tokentape.server.errors import OPENAI_ERRORS
 from tokentape.server.serving import Dialect
@@ -33,7 +33,8 @@ _BY_ID = TokenText(None)  # vLLM spells every token of this route by its ID, wit
 
 
 class VLLMSampling(BaseModel):
-    """vLLM's `SamplingParams` fields that apply to a token-ID generation; others are ignored."""
+    """vLLM's `SamplingParams` fields that apply to a token-ID generation; those no engine here applies
+    are refused when set (`UNAPPLIED_FIELDS`), others (output formatting) are ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     n: StrictInt = 1
@@ -47,6 +48,10 @@ class VLLMSampling(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     logprobs: StrictInt | None = None
     skip_special_tokens: StrictBool | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
 
 
 class GenerateRequest(WireRequest):
@@ -65,7 +70,21 @@ def sampling_params(sp: VLLMSampling, context_length: int, prompt_length: int) -
     )
 
 
-_WIRE_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n")
+_WIRE_NAMES = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    *UNAPPLIED_FIELDS,
+)
 _SAMPLING_NAMES = {
     **{name: f"sampling_params.{name}" for name in _WIRE_NAMES},
     "top_logprobs": "sampling_params.logprobs",
