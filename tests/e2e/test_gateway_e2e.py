@@ -148,10 +148,15 @@ async def test_models_health_tokenize_and_session_routes(server: RunningServer, 
     text_tokens = _tokenize(server, prompt="hello world")
     detok = httpx.post(f"{base}/detokenize", json={"tokens": text_tokens}).json()
     assert detok["prompt"] == "hello world"
+    # its own sessions: the other tests of this module may run before or after it
+    for session in ("listed-a", "listed-b"):
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(f"{base}/sessions/{session}/v1/chat/completions", json=body, timeout=60).status_code == 200
     listed = {s["session_id"] for s in httpx.get(f"{base}/sessions").json()["data"]}
-    assert {"five-turns", "two-choices"} <= listed
-    assert httpx.delete(f"{base}/sessions/two-choices").json()["deleted"] is True
-    assert httpx.get(f"{base}/sessions/two-choices").status_code == 404
+    assert {"listed-a", "listed-b"} <= listed
+    assert httpx.delete(f"{base}/sessions/listed-b").json()["deleted"] is True
+    assert httpx.get(f"{base}/sessions/listed-b").status_code == 404
+    assert httpx.get(f"{base}/sessions/listed-a").status_code == 200
 
 
 def test_the_plain_sdk_example_records_its_episode(server: RunningServer) -> None:

@@ -36,6 +36,7 @@ pytest.importorskip("gguf")
 from tokentape.train.weights import f32_gguf
 
 BOUND = 1e-3  # nats; see the module docstring
+pytestmark = pytest.mark.numerics  # every test compares with an independent context's logprobs
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 QUESTIONS = ["Name three colours.", "What is 2+2?", "Write a haiku about rain.", "Who wrote Hamlet?"]
 

@@ -78,14 +78,17 @@ async def test_the_agent_file_matches_openrlhfs_own_multi_turn_executor(
     tmp_path: Path, engine: LlamaCppEngine, tokenizer: GGUFTokenizer, hf_tokenizer: NoTorchTokenizer
 ) -> None:
     question, label = "What is the capital of France? Answer in one short sentence.", "Paris"
-    llm = EmbeddedLLM(engine, tokenizer)
+    # every turn ends on its close within its budget, whatever the model samples: the environment
+    # below writes the follow-up after a sampled close, as OpenRLHF's own environments do
+    (turn_end,) = tokenizer.encode("<|im_end|>")
+    llm = EmbeddedLLM(engine, tokenizer, grammar='root ::= [A-Za-z ,]{1,24} "."', close=turn_end)
     executor = _executor(tmp_path, "feedback_agent")
     ours = await executor.execute(
         question, label, SamplingParams(temperature=0.0, logprobs=0), MAX_LENGTH, hf_tokenizer, llm
     )
     assert len(llm.calls) == len(FEEDBACK) + 1  # each call ends on its close or at max_tokens, as sampled
     assert ours["observation_tokens"] == llm.calls[-1].prompt + llm.calls[-1].output.token_ids
-    (turn_end,) = tokenizer.encode("<|im_end|>")
+    assert all(call.output.token_ids[-1] == turn_end for call in llm.calls)
     for call in llm.calls:  # vLLM is told to stop at the turn's end and to stay within max_length
         assert call.params is not None and turn_end in (call.params.stop_token_ids or ())
         assert call.params.max_tokens is not None and len(call.prompt) + call.params.max_tokens <= MAX_LENGTH

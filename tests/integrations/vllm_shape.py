@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams as TapeSampling
+from tokentape.engines.base import Constraint
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.render.tokenizer import Tokenizer
 
@@ -66,11 +67,16 @@ class Call:
 class EmbeddedLLM:
     """`llm_engine` as OpenRLHF's rollout actor exposes it, sampling with the embedded engine.
     `first_reply`: the first call of each episode (a prompt that continues no earlier call) gets
-    these token IDs instead, with logprob -0.5 each: a scripted turn, to make a tool call certain."""
+    these token IDs instead, with logprob -0.5 each: a scripted turn, to make a tool call certain.
+    `grammar`: every sampled turn is held to this llama.cpp grammar, and once it is complete only
+    `close` may follow (every other end-of-turn token banned): the turn certainly ends on its close
+    within the grammar's length, whatever the model would have sampled."""
 
     engine: LlamaCppEngine
     tokenizer: Tokenizer
     first_reply: list[int] | None = None
+    grammar: str | None = None
+    close: int | None = None
     calls: list[Call] = field(default_factory=list)
 
     def _opens_episode(self, prompt: list[int]) -> bool:
@@ -99,8 +105,11 @@ class EmbeddedLLM:
                 stop_token_ids=tuple(sp.stop_token_ids or ()),
                 logprobs=True,
                 top_logprobs=min(sp.logprobs or 0, 20),
+                banned_token_ids=tuple(sorted(self.tokenizer.end_of_turn_ids - {self.close})) if self.close else (),
             )
-            async for sample in self.engine.generate(list(prompt_token_ids), params, seed=sp.seed):
+            constraint = Constraint("grammar", self.grammar) if self.grammar is not None else None
+            generation = self.engine.generate(list(prompt_token_ids), params, seed=sp.seed, constraint=constraint)
+            async for sample in generation:
                 tokens.append(sample.token_id)
                 ranked.append(
                     {
