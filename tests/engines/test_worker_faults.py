@@ -148,3 +148,21 @@ async def test_a_dead_worker_is_started_again_and_no_caller_waits_forever(
     await _served(http, "after-death")
     metrics = (await http.get("/metrics")).text
     assert f"tokentape_engine_worker_restarts {float(restarts + 1)}" in metrics
+
+
+async def test_a_generation_that_cannot_start_fails_alone(
+    http: httpx.AsyncClient, engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while a generation joins the batch (out of the queue, not yet running) fails it, and
+    only it: nobody else holds it, so nobody else would."""
+    original = Batcher._start
+
+    def start(self: Batcher, generation: Generation) -> None:
+        if generation.session == "unstartable":
+            raise RuntimeError("fault injected while joining the batch")
+        original(self, generation)
+
+    monkeypatch.setattr(Batcher, "_start", start)
+    failed, served = await asyncio.gather(_post(http, "unstartable", _chat()), _post(http, "startable", _chat()))
+    _engine_error(failed)
+    assert served.status_code == 200, served.text

@@ -70,14 +70,30 @@ async def test_penalties_are_applied_and_recorded(http: httpx.AsyncClient) -> No
     }
 
 
-async def test_a_repetition_penalty_changes_what_greedy_decoding_repeats(http: httpx.AsyncClient) -> None:
-    """Greedy decoding of a list repeats its separator; vLLM's repetition penalty at its largest
-    value here makes every token already seen less likely, so the two replies differ."""
-    messages = [{"role": "user", "content": "Write the word 'go' ten times, separated by spaces."}]
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 16, "temperature": 0}
-    plain = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]["token_ids"]
-    penalised = (await http.post("/v1/chat/completions", json={**body, "repetition_penalty": 2.0})).json()
-    assert penalised["choices"][0]["token_ids"] != plain
+async def test_the_embedded_engine_applies_the_penalties_by_vllms_formula(
+    http: httpx.AsyncClient, tokenizer: GGUFTokenizer
+) -> None:
+    """Two tokens lifted far above the rest by the bias: greedy takes one of them first, and on the
+    second step the penalised run holds that one `frequency + presence` nats further behind the other
+    than the plain run does (read from the recorded logprobs of both; the model's own logits cancel)."""
+    (banana,) = tokenizer.encode(" banana")
+    (apple,) = tokenizer.encode(" apple")
+    body = _chat(
+        temperature=0, max_tokens=2, logprobs=True, top_logprobs=5, logit_bias={str(banana): 100, str(apple): 100}
+    )
+
+    async def second_step_gap(**penalties: float) -> tuple[int, float]:
+        choice = (await http.post("/v1/chat/completions", json={**body, **penalties})).json()["choices"][0]
+        first = choice["token_ids"][0]
+        other = apple if first == banana else banana
+        top = {entry["token"]: entry["logprob"] for entry in choice["logprobs"]["content"][1]["top_logprobs"]}
+        spelled = {banana: " banana", apple: " apple"}
+        return first, top[spelled[first]] - top[spelled[other]]
+
+    first, plain = await second_step_gap()
+    again, penalised = await second_step_gap(frequency_penalty=1.5, presence_penalty=0.5)
+    assert first == again and first in (banana, apple)
+    assert penalised == pytest.approx(plain - 2.0, abs=1e-4)
 
 
 def _non_default(field: str) -> Any:
@@ -121,6 +137,10 @@ async def test_every_field_no_engine_applies_is_refused_by_name_and_changes_noth
         ({"logit_bias": {"-4": 1}}, "logit_bias"),
         ({"logit_bias": {"5": "1"}}, None),  # a string where a number belongs: the body is malformed
         ({"temperature": -1e-300}, "temperature"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"stop": ["x" * 257]}, "stop"),
     ],
 )
 async def test_out_of_range_values_are_refused_in_the_dialects_shape(

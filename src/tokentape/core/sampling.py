@@ -16,13 +16,18 @@ __all__ = [
     "MAX_LOGIT_BIAS_ENTRIES",
     "MAX_PENALTY",
     "MAX_REPETITION_PENALTY",
+    "MAX_STOP_LENGTH",
     "MAX_STOP_SEQUENCES",
+    "MAX_STOP_TOKEN_IDS",
     "MAX_TOP_LOGPROBS",
     "MAX_SEED",
 ]
 
 MAX_CHOICES = 16  # n > 16 multiplies one request into minutes of CPU generation
 MAX_STOP_SEQUENCES = 4  # OpenAI's own limit
+# Text that could still become a stop string is held back and rescanned with each token: a stop string
+# of megabytes would cost the event loop seconds a token. Real stop strings are words and tags.
+MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
 MAX_SEED = 2**63 - 1
 # vLLM's threshold (_SAMPLING_EPS): a temperature below it is greedy. Dividing logits by a subnormal
@@ -32,6 +37,7 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: 
 MAX_REPETITION_PENALTY = 2.0  # vLLM's repetition_penalty: (0, 2] here; 1 is off
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 1024  # more than any vocabulary's end-of-turn tokens; bounds what one request holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,10 @@ class SamplingParams:
             raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
         if any(s == "" for s in self.stop):
             raise InvalidRequest("stop sequences must not be empty", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise InvalidRequest(f"stop sequences may be at most {MAX_STOP_LENGTH} characters long", param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
@@ -116,6 +126,17 @@ class SamplingParams:
         if self.repetition_penalty != 1.0:
             fields["repetition_penalty"] = self.repetition_penalty
         return fields
+
+    def token_ids_outside(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first token ID this request names (a stop token, a biased token) that is not in a
+        vocabulary of `vocab_size`, with the field naming it; None if all are."""
+        for token in self.stop_token_ids:
+            if not 0 <= token < vocab_size:
+                return "stop_token_ids", token
+        for token, _ in self.logit_bias:
+            if not 0 <= token < vocab_size:
+                return "logit_bias", token
+        return None
 
     def distribution(self) -> dict[str, Any]:
         """The settings that shape the distribution a token is sampled from (what a trainer's logprobs

@@ -208,7 +208,7 @@ class Batcher:
         self.faults = 0  # errors the worker caught and survived (each failed the generations it concerned)
         self.restarts = 0  # times the worker thread died and was started again
         self._threads: int | None = None
-        self._closing = False
+        self._closed = False
         self._reviving = threading.Lock()
         self._thread = self._launch()
 
@@ -228,14 +228,14 @@ class Batcher:
         self._threads = threads  # applied by the worker before its next step
 
     def close(self) -> None:
-        self._closing = True
         self._inbox.put(_CLOSE)
-        self.ensure_alive()
+        self.ensure_alive()  # a dead worker is started again to take the close and fail what it held
         self._thread.join()
+        self._closed = True
 
     def ensure_alive(self) -> bool:
         """Start the worker again if its thread has died; whether it had."""
-        if self._thread.is_alive():
+        if self._closed or self._thread.is_alive():
             return False
         with self._reviving:
             if self._thread.is_alive():
@@ -334,7 +334,13 @@ class Batcher:
                 index += 1
                 continue
             del self._pending[index]
-            self._start(item)
+            try:
+                self._start(item)
+            except Exception as exc:  # out of every list now: fail it here, or nobody would
+                self.faults += 1
+                log.exception("a generation could not start; it fails, the worker serves on")
+                item.emit(WorkerFault(f"the engine's worker could not start this generation: {exc}"))
+                self._finish(item)
 
     def _worth_waiting(self, generation: Generation) -> bool:
         """Whether a running generation will soon hold in its KV a longer prefix of this one's prompt

@@ -157,12 +157,10 @@ class LlamaCppEngine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}", param="messages"
             )
-        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
-        if outside:
-            raise InvalidRequest(
-                f"logit_bias names token {outside[0]}; the model's vocabulary has {self.vocab_size} tokens",
-                param="logit_bias",
-            )
+        outside = params.token_ids_outside(self.vocab_size)  # the gateway refuses these; direct callers too
+        if outside is not None:
+            field, token = outside
+            raise InvalidRequest(f"{field} names token {token}, outside the vocabulary", param=field)
         grammar = self.grammar_text(constraint) if constraint is not None else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()

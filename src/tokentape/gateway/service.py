@@ -406,6 +406,13 @@ class Gateway:
         return self.clip_max_tokens or session.tree.outcome.metadata.get("max_tokens") == "clip"
 
     def _check_room(self, prompt: Sequence[int], sampling: SamplingParams, clip: bool = False) -> SamplingParams:
+        outside = sampling.token_ids_outside(self.renderer.tokenizer.vocab_size)
+        if outside is not None:
+            field, token = outside
+            raise InvalidRequest(
+                f"{field} names token {token}; the model's vocabulary has {self.renderer.tokenizer.vocab_size} tokens",
+                param=field,
+            )
         context = self.engine.context_length
         wanted = len(prompt) + (sampling.max_tokens or 1)
         if clip and len(prompt) < context and wanted > context:
