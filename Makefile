@@ -92,8 +92,10 @@ unit: setup browser  ## the tests but the Ray cluster's (in a new order each run
 on_loopback = if [ "$$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then \
 		unshare -n sh -c 'ip link set lo up && RAY_AUTH_MODE=disabled $(1)'; else $(1); fi
 
+# Each Ray test module is one scenario on a cluster it starts once (versions advance, sessions
+# accumulate from test to test): its tests run in the file's order, under the run's sampling salt.
 ray-tests: setup  ## the Ray cluster tests, on loopback only
-	$(call on_loopback,$(PY) -m pytest tests/ray)
+	$(call on_loopback,$(PY) -m pytest tests/ray --randomly-dont-reorganize)
 
 # Every stage runs, whatever failed before it, and each is reported; the run fails at the end if any did.
 # One sampling salt for all of them (tests/conftest.py): printed here, TOKENTAPE_SAMPLING_SALT=N reproduces it.
