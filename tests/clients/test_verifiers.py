@@ -1,11 +1,15 @@
 """verifiers 0.4.0's training client through /inference/v1/generate. verifiers pins openai<3, so it
-runs in its own virtualenv, created here on first use (test-output/venv-verifiers) from PyPI."""
+runs in its own virtualenv, created on first use from PyPI and kept per machine, as the llama.cpp
+wheel is (~/.cache/tokentape/venv-verifiers-<pins>: a fresh clone does not pay for it again)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -24,13 +28,18 @@ SCRIPT = Path(__file__).with_name("verifiers_train_client.py")
 
 
 def _venv() -> Path:
-    target = output_dir() / "venv-verifiers"
+    pins = hashlib.sha1(" ".join([*VERIFIERS, sys.version]).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokentape"
+    target = cache / f"venv-verifiers-{pins}"
     python = target / "bin" / "python"
     stamp = target / ".installed"
-    if not stamp.exists():
-        venv.create(target, with_pip=True, clear=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *VERIFIERS], check=True, timeout=1200)
-        stamp.write_text(" ".join(VERIFIERS))
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / f"venv-verifiers-{pins}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two checkouts testing at once build it once
+        if not stamp.exists():
+            venv.create(target, with_pip=True, clear=True)
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", *VERIFIERS], check=True, timeout=1200)
+            stamp.write_text(" ".join(VERIFIERS))
     return python
 
 

@@ -220,7 +220,7 @@ def test_out_of_range_settings_are_refused_naming_the_field(settings: dict[str, 
 
 
 # -- fuzzed: any accepted combination, any row ------------------------------------------------------------
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     temperature=st.one_of(st.just(0.0), st.floats(0.0, 2.0, allow_subnormal=True)),
     top_p=st.floats(5e-324, 1.0, allow_subnormal=True),

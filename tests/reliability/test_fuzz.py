@@ -21,7 +21,7 @@ from tests.conftest import output_dir
 from tests.reliability.fuzz import REQUEST_DEADLINE, VICTIMS, Case, Figures, Honest, cases, give_history, send
 from tokentape.launcher import RunningServer, running_server
 
-EXAMPLES = int(os.environ.get("TOKENTAPE_FUZZ_EXAMPLES", "40"))  # batches of four requests at once
+EXAMPLES = int(os.environ.get("TOKENTAPE_FUZZ_EXAMPLES", "25"))  # batches of four requests at once
 
 
 @dataclass
