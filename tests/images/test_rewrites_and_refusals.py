@@ -240,3 +240,36 @@ async def test_allowed_image_urls_are_fetched_and_recorded_as_their_bytes(
             missing = await post(http, "fetch-missing", [{"role": "user", "content": [gone]}])
             assert missing.status_code == 400 and "messages[0].content[0]" in missing.json()["error"]["message"]
     await gateway.aclose()
+
+
+async def test_a_fork_never_records_an_image_it_cut_off(app: App, oracle: Oracle) -> None:
+    """[A, C] answered "One."; that history resent as [B, C] under `fork` (a branch from A's run),
+    answered "Two."; then the [B, C] branch's history resent as [A, D]. The images are the same size,
+    so only the recorded images tell the paths apart: the last turn's branch records A and D, the
+    images the engine was given, never the fork's B."""
+    a, b, c, d = png(RED), png(ORANGE), png((30, 160, 30)), png((30, 30, 200))
+
+    def two(first: bytes, second: bytes) -> dict[str, Any]:
+        images = [{"type": "image_url", "image_url": {"url": data_url(x)}} for x in (first, second)]
+        return {"role": "user", "content": [{"type": "text", "text": "Compare."}, *images]}
+
+    hf_opening = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Compare."}, {"type": "image"}, {"type": "image"}],
+    }
+    app.queue(oracle.answer("One."), oracle.answer("Two."), oracle.answer("Three."))
+    session = "fork-cut-image"
+    assert (await post(app.http, session, [two(a, c)], rewrite_policy="fork")).status_code == 200
+    one, two_ = {"role": "assistant", "content": "One."}, {"role": "assistant", "content": "Two."}
+    forked = await post(app.http, session, [two(b, c), one, {"role": "user", "content": "Again?"}])
+    assert forked.status_code == 200, forked.text
+    history = [two(b, c), one, {"role": "user", "content": "Again?"}, two_, {"role": "user", "content": "Now?"}]
+    history[0] = two(a, d)
+    last = await post(app.http, session, history)
+    assert last.status_code == 200, last.text
+    sent = app.engine.state.requests[-1]["token_ids"]
+    hf = [hf_opening, one, {"role": "user", "content": "Again?"}, two_, {"role": "user", "content": "Now?"}]
+    assert sent == oracle.ids(hf, [a, d])
+    branches = (await app.export(session))["branches"]
+    (branch,) = [br for br in branches if br["tokens"] == sent + oracle.answer("Three.")]
+    assert branch["images"] == [data_url(a), data_url(d)]

@@ -24,6 +24,7 @@ from tokentape.core.tape import (
     RewritePolicy,
     TurnNode,
     path,
+    path_images,
     path_tokens,
 )
 from tokentape.core.versions import PolicySpan
@@ -248,8 +249,8 @@ class SessionTree:
         `runs`: the prompt's image runs; the same placeholder tokens for another image are a
         difference too, so the paths part before the first image that is not the recorded one."""
         shared = common_prefix_length(path_tokens(branch_end), tokens)
-        if runs:
-            recorded = {(run.start, run.digest) for node in path(branch_end) for run in node.images}
+        if runs:  # only the runs still on this path: a fork may have cut an earlier image off
+            recorded = {(run.start, run.digest) for run in path_images(branch_end)}
             for run in runs:
                 if run.start < shared and (run.start, run.digest) not in recorded:
                     shared = run.start

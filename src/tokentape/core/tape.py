@@ -257,7 +257,7 @@ class BranchView:
         turns: list[int] = []
         images: list[ImageRun] = []
         for node, limit in zip(nodes, _limits(nodes), strict=True):
-            images += [run for run in node.images if run.end <= limit]
+            images += _kept_runs(node, limit)
             own = node.own_tokens(limit)
             context = max(0, min(limit, node.sampled_start) - node.keep)
             sampled = len(own) - context
@@ -290,6 +290,16 @@ def path(leaf: TurnNode) -> Iterator[TurnNode]:
         chain.append(node)
         node = node.parent
     return reversed(chain)
+
+
+def path_images(leaf: TurnNode) -> list[ImageRun]:
+    """The image runs on `leaf`'s path, in order: a run of a node that a later fork cut off is not."""
+    nodes = list(path(leaf))
+    return [run for node, limit in zip(nodes, _limits(nodes), strict=True) for run in _kept_runs(node, limit)]
+
+
+def _kept_runs(node: TurnNode, limit: int) -> list[ImageRun]:
+    return [run for run in node.images if run.end <= limit]
 
 
 def _limits(nodes: Sequence[TurnNode]) -> list[int]:
