@@ -246,3 +246,33 @@ async def test_the_store_keeps_images_across_a_restart(app: App, oracle: Oracle,
         )
     await gateway.aclose()
     json.dumps(after)  # the export is plain JSON
+
+
+async def test_a_completion_continuing_a_turn_with_an_image_carries_that_image(app: App, oracle: Oracle) -> None:
+    """After a chat turn with a screenshot, `/v1/completions` with that turn's tokens plus more sends
+    the engine the screenshot's features for its run (the fake vLLM refuses pads without them); a
+    token prompt with a placeholder outside every recorded run is refused and changes nothing."""
+    red = png(RED)
+    app.queue(oracle.answer("Red."), oracle.answer("More."))
+    sent = [{"role": "user", "content": [{"type": "text", "text": "Color?"}, openai_image(red)]}]
+    headers = {"X-Session-ID": "complete-image"}
+    chat = await app.http.post(
+        "/v1/chat/completions", json={"model": "m", "messages": sent, "max_tokens": 20}, headers=headers
+    )
+    assert chat.status_code == 200, chat.text
+    turn = chat.json()
+    prompt = [*turn["prompt_token_ids"], *turn["choices"][0]["token_ids"], *oracle.tokenizer("\nMore:")["input_ids"]]
+    completion = await app.http.post(
+        "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 5}, headers=headers
+    )
+    assert completion.status_code == 200, completion.text
+    request = app.engine.state.requests[-1]
+    assert request["token_ids"] == prompt
+    assert len(request["features"]["mm_hashes"]["image"]) == 1  # the recorded run's image, once
+    before = (await app.export("complete-image"))["branches"]
+    stray = [*prompt[:5], IMAGE_PAD, *prompt[5:8]]
+    refused = await app.http.post(
+        "/v1/completions", json={"model": "m", "prompt": stray, "max_tokens": 5}, headers=headers
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "placeholder_without_image"
+    assert (await app.export("complete-image"))["branches"] == before

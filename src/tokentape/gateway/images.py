@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 
 from tokentape.core.images import DecodedImage, ImageRun, has_images, image_digests, masked_images
 from tokentape.core.messages import Message, hash_chain
-from tokentape.core.tape import TurnNode, path
+from tokentape.core.tape import TurnNode
 from tokentape.errors import Conflict, InvalidRequest
 from tokentape.render.vision import VisionProcessor
 
-__all__ = ["Expansion", "first_image_message", "path_runs", "shape_chains"]
+__all__ = ["Expansion", "first_image_message", "shape_chains", "stray_placeholder"]
 
 
 def shape_chains(messages: Sequence[Message]) -> list[bytes]:
@@ -24,13 +24,6 @@ def shape_chains(messages: Sequence[Message]) -> list[bytes]:
 def first_image_message(messages: Sequence[Message], covered: int) -> int:
     """The first of the first `covered` messages that holds an image (where an image can have changed)."""
     return next((i for i, m in enumerate(messages[:covered]) if has_images([m])), 0)
-
-
-def path_runs(node: TurnNode) -> tuple[ImageRun, ...]:
-    """The image runs on the path from the root to `node`, in order."""
-    nodes = list(path(node))
-    limits = [child.keep for child in nodes[1:]] + [node.end]
-    return tuple(run for n, limit in zip(nodes, limits, strict=True) for run in n.images if run.end <= limit)
 
 
 class Expansion:
@@ -69,3 +62,18 @@ class Expansion:
                 param="messages",
                 code="placeholder_sampled",
             )
+
+
+def stray_placeholder(prompt: Sequence[int], vision_ids: frozenset[int], runs: Sequence[ImageRun]) -> int | None:
+    """The first position of `prompt` holding a vision token outside every image run (a placeholder
+    with no image behind it), or None."""
+    if not vision_ids:
+        return None
+    inside = 0  # runs are in path order: walk them beside the prompt
+    ordered = sorted(runs, key=lambda run: run.start)
+    for position, token in enumerate(prompt):
+        while inside < len(ordered) and ordered[inside].end <= position:
+            inside += 1
+        if token in vision_ids and not (inside < len(ordered) and ordered[inside].start <= position):
+            return position
+    return None

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from tokentape.core.images import ImageRun
 from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
 from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
-from tokentape.core.tape import Origin, Rewrite, TurnNode, path_tokens
+from tokentape.core.tape import Origin, Rewrite, TurnNode, path_images, path_tokens
 from tokentape.errors import InvalidRequest
 from tokentape.gateway import images
 from tokentape.gateway.calls import ChatCall
@@ -119,7 +119,7 @@ class Planner:
         if expand is not None:  # the new messages' images, expanded once; the recorded ones stay as they are
             expand.check_sampled(node)
             tokens, runs = await expand(bridge.tokens, call.messages[decision.new_from :], node.end)
-            recorded = images.path_runs(node)
+            recorded = tuple(path_images(node))
         turn = NewTurn(node, node.end, tuple(tokens), Origin.BRIDGE, rewrite, runs)
         mode = self._reply_mode(call, bridge.opens_reasoning)
         prompt = node.path_array()
@@ -175,15 +175,26 @@ class Planner:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return tokens
 
-    @staticmethod
-    def completion(tree: SessionTree, prompt: list[int]) -> Plan:
-        """Inside a session a raw completion extends the branch its token prompt starts with."""
+    def completion(self, tree: SessionTree, prompt: list[int]) -> Plan:
+        """Inside a session a raw completion extends the branch its token prompt starts with, and
+        carries that branch's images to the engine. An image placeholder outside every recorded run
+        would reach the engine with no image behind it: refused (images come in chat messages)."""
         parent = deepest_prefix_node(tree.nodes, prompt)
         keep = parent.end if parent is not None else 0
+        recorded = tuple(path_images(parent)) if parent is not None else ()
+        vision = self.renderer.vision
+        stray = images.stray_placeholder(prompt, vision.vision_token_ids if vision else frozenset(), recorded)
+        if stray is not None:
+            raise InvalidRequest(
+                f"prompt token {stray} ({prompt[stray]}) is an image placeholder with no image behind it: "
+                "images come in chat messages, and a completion may only continue their recorded runs",
+                param="prompt",
+                code="placeholder_without_image",
+            )
         turn = NewTurn(parent, keep, tuple(prompt[keep:]), Origin.PROMPT, None)
         # Token prompts have no message history; a placeholder chain keeps them out of chat matching.
         chain = chain_step(EMPTY_CHAIN, {"role": "_completion", "content": prompt})
-        return Plan(turn, prompt, chain, 1)
+        return Plan(turn, prompt, chain, 1, images=recorded)
 
 
 INLINE_RENDER_CHARS = 16_384  # renders of less text than this take well under a millisecond

@@ -282,7 +282,7 @@ class Gateway:
             # for a store read anyway), 1.0 with it.
             await asyncio.sleep(0)
             if completion_prompt is not None:
-                plan = Planner.completion(session.tree, completion_prompt)
+                plan = self.planner.completion(session.tree, completion_prompt)
             else:
                 assert isinstance(call, ChatCall)
                 plan = await self.planner.chat(session.tree, call)
