@@ -273,3 +273,33 @@ async def test_a_fork_never_records_an_image_it_cut_off(app: App, oracle: Oracle
     branches = (await app.export(session))["branches"]
     (branch,) = [br for br in branches if br["tokens"] == sent + oracle.answer("Three.")]
     assert branch["images"] == [data_url(a), data_url(d)]
+
+
+@pytest.mark.parametrize(
+    ("declared", "kind", "media"),
+    [
+        ("image/jpg", "JPEG", "image/jpeg"),
+        ("application/octet-stream", "PNG", "image/png"),
+        ("image/x-png", "PNG", "image/png"),
+    ],
+)
+async def test_the_bytes_decide_whatever_type_is_declared(
+    app: App, oracle: Oracle, declared: str, kind: str, media: str
+) -> None:
+    """`data:image/jpg` (a common misspelling) and bytes of no stated kind (what a server that does not
+    say sends) are taken as what they decode to; a declared type that is no image is refused."""
+    data = png(RED, kind=kind)
+    app.queue(oracle.answer("Red."))
+    url = f"data:{declared};base64,{base64.b64encode(data).decode()}"
+    session = f"declared-{kind}-{declared.replace('/', '-')}"
+    response = await post(
+        app.http, session, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    )
+    assert response.status_code == 200, response.text
+    (branch,) = (await app.export(session))["branches"]
+    assert branch["images"] == [data_url(data, media)]
+    html = f"data:text/html;base64,{base64.b64encode(data).decode()}"
+    refused = await post(
+        app.http, "declared-html", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": html}}]}]
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_image_type"

@@ -84,11 +84,12 @@ class ImageIntake:
         return self.base64(head[: -len(";base64")], payload, where)
 
     def base64(self, media_type: Any, data: Any, where: str) -> dict[str, Any]:
-        """Base64 image bytes of a declared media type."""
+        """Base64 image bytes of a declared media type: any image type or bare bytes may be declared
+        (`image/jpg`, `application/octet-stream` from a server that does not say); the bytes decide."""
         self._check_vision(where)
-        if media_type not in IMAGE_TYPES:
+        if not _may_be_an_image(media_type):
             raise InvalidRequest(
-                f"{where}: images of type {media_type!r} are not supported (use {', '.join(IMAGE_TYPES)})",
+                f"{where}: images of type {str(media_type)[:60]!r} are not supported (use {', '.join(IMAGE_TYPES)})",
                 param=where,
                 code="unsupported_image_type",
             )
@@ -284,6 +285,14 @@ async def fetch_remote_images(body: dict[str, Any], limits: ImageLimits) -> None
                 holder.update({"type": "base64", "media_type": media, "data": encoded})
             else:
                 holder[key] = f"data:{media};base64,{encoded}"
+
+
+def _may_be_an_image(media_type: Any) -> bool:
+    """Whether a declared media type leaves it to the bytes: an image type, or bytes of no stated kind."""
+    if not isinstance(media_type, str):
+        return False
+    declared = media_type.strip().lower()
+    return declared.startswith("image/") or declared in ("", "application/octet-stream", "binary/octet-stream")
 
 
 def text_part(text: str) -> dict[str, Any]:
