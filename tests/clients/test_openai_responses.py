@@ -45,7 +45,11 @@ async def test_plain_and_streamed_responses(server: RunningServer, model: str) -
         async for event in stream:
             if event.type == "response.output_text.delta":
                 texts.append(event.delta)
-        final = await stream.get_final_response()
+            # the reply may or may not end within its 16 tokens: the stream closes on either event
+            # (the SDK's get_final_response() knows only the first)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    assert final is not None and final.status in ("completed", "incomplete")
     assert "".join(texts) == final.output_text
     tape = export(server, "responses-plain")
     assert len(tape["branches"]) == 2  # two unrelated first turns: two branches
