@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -264,10 +263,9 @@ class Batcher:
                 self.faults += 1
                 log.exception("the embedded engine's worker failed a step; the generations in it fail, it serves on")
                 self._recover(WorkerFault(f"the engine's worker failed: {type(exc).__name__}: {exc}"))
-                time.sleep(0)  # let callers see their errors before the next step
 
     def _recover(self, failure: Exception) -> None:
-        """Fail every running generation (their KV is dropped: what the failed step left is unknown)."""
+        """Fail every running generation (their KV is dropped: what the failed call left is unknown)."""
         for generation in list(self.active):
             try:
                 if generation.slot is not None:
@@ -416,7 +414,7 @@ class Batcher:
                 self._after(rows, outputs)
                 return
             if status != 1 or not self._make_room():
-                self._fail(RuntimeError(f"llama_decode returned {status}"))
+                self._recover(RuntimeError(f"llama_decode returned {status}"))
                 return
             # the cache was full: an idle slot was emptied or a generation gave its KV back; again
 
@@ -431,13 +429,6 @@ class Batcher:
             generation.slot.tokens = generation.tokens[: generation.fed]
         for generation, row in outputs:
             self._sample(generation, self.native.logits(row))
-
-    def _fail(self, failure: Exception) -> None:
-        for generation in list(self.active):
-            self.native.cut(generation.slot.seq_id, 0)  # what the failed call left there is unknown
-            generation.slot.tokens = []
-            generation.emit(failure)
-            self._finish(generation)
 
     def _plan(self) -> tuple[list[tuple[int, int, int, bool]], list[tuple[Generation, int]]]:
         """This step's rows: every generation's pending tokens, the decoding ones (one token) first,

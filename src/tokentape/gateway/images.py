@@ -69,7 +69,7 @@ def stray_placeholder(prompt: Sequence[int], vision_ids: frozenset[int], runs: S
     with no image behind it), or None."""
     if not vision_ids:
         return None
-    inside = 0  # runs are in path order: walk them beside the prompt
+    inside = 0  # the runs by start, walked beside the prompt
     ordered = sorted(runs, key=lambda run: run.start)
     for position, token in enumerate(prompt):
         while inside < len(ordered) and ordered[inside].end <= position:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tokentape.core.messages import Message
@@ -90,7 +90,3 @@ class QuotedSpecials:
             return text
         strings = {marker: text for text, marker in self._markers.items()}
         return self._split.sub(lambda match: strings[match.group(0)], text)
-
-    @property
-    def strings(self) -> Sequence[str]:
-        return list(self._markers)
