@@ -15,7 +15,10 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.app import create_app
 
@@ -143,20 +146,27 @@ async def test_token_route_logprobs_over_http(http: httpx.AsyncClient) -> None:
     assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t, _ in masked]
 
 
-async def test_a_turn_is_named_by_its_id_and_tokens_point_at_it_by_index(http: httpx.AsyncClient) -> None:
+async def test_a_turn_is_named_by_its_id_and_tokens_point_at_it_by_index(renderer: Renderer) -> None:
     """On a branch through the second of two choices, the turn ids are not positions: each token's
-    `turn_index` points into the branch's per-turn lists, whose `turn_ids` name the turns."""
-    hi = [{"role": "user", "content": "Hi"}]
-    base = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 1.0, "seed": 5}
-    first = (await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": hi, "n": 2})).json()
-    second_reply = first["choices"][1]["message"]["content"]
-    follow = [*hi, {"role": "assistant", "content": second_reply}, {"role": "user", "content": "More"}]
-    await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": follow})
-    export = (await http.get("/sessions/named/export")).json()
+    `turn_index` points into the branch's per-turn lists, whose `turn_ids` name the turns. The two
+    choices are scripted, so they differ on any machine (a sampled pair may coincide)."""
+    end = renderer.tokenizer.encode("<|im_end|>")[0]
+    engine = ScriptedEngine([], end)
+    for text in ("Hello there", "Good day", "Fine"):
+        engine.push([*renderer.tokenizer.encode(text), end])
+    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        hi = [{"role": "user", "content": "Hi"}]
+        base = {"model": MODEL_NAME, "max_tokens": 8}
+        first = (await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": hi, "n": 2})).json()
+        assert [c["message"]["content"] for c in first["choices"]] == ["Hello there", "Good day"]
+        follow = [*hi, {"role": "assistant", "content": "Good day"}, {"role": "user", "content": "More"}]
+        assert (await http.post("/sessions/named/v1/chat/completions", json={**base, "messages": follow})).is_success
+        export = (await http.get("/sessions/named/export")).json()
     assert export["schema_version"] == 2
     (longest,) = [b for b in export["branches"] if len(b["turn_ids"]) == 2]
     assert longest["turn_ids"] == [1, 2]  # choice 1 of the first request, then the follow-up
     assert "turns" not in longest
-    for k, (start, end) in enumerate(longest["action_ranges"]):
-        assert set(longest["turn_index"][start:end]) == {k}
+    for k, (start, end_) in enumerate(longest["action_ranges"]):
+        assert set(longest["turn_index"][start:end_]) == {k}
     assert sorted(set(longest["turn_index"])) == [0, 1]
