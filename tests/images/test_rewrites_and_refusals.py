@@ -219,7 +219,8 @@ async def test_allowed_image_urls_are_fetched_and_recorded_as_their_bytes(
         return Response(shot, media_type="image/png")
 
     engine, url = fake
-    gateway, http = await open_app(vl_renderer, url, engine, tmp_path / "f.db", ImageLimits(allow_fetch=True))
+    limits = ImageLimits(allow_fetch=True, fetch_networks=("127.0.0.1/32",))  # the test site is on loopback
+    gateway, http = await open_app(vl_renderer, url, engine, tmp_path / "f.db", limits)
     with serving(Starlette(routes=[Route("/screen.png", screen)])) as site:
         async with http:
             app = App(gateway, http, engine)

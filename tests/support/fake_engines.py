@@ -370,19 +370,19 @@ def sglang_app(state: FakeState) -> Starlette:
 
 
 @contextlib.contextmanager
-def serving(app: Starlette) -> Iterator[str]:
-    """Run an ASGI app with uvicorn in a thread on a free loopback port."""
+def serving(app: Starlette, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread on a free loopback port (any of 127/8 on Linux)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

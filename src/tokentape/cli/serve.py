@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from tokentape.cli.root import app
 from tokentape.gateway.sessions import REWRITE_POLICIES, check_policy
+
+if TYPE_CHECKING:
+    from tokentape.server.dialects.images import ImageLimits
 
 
 @app.command()
@@ -89,8 +92,18 @@ def serve(
     idle_seconds: Annotated[float, typer.Option(help="A session idle this long leaves memory.")] = 3600.0,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
     allow_image_urls: Annotated[
-        bool, typer.Option(help="Fetch http(s) image URLs clients send (off: only inline base64 images).")
+        bool,
+        typer.Option(
+            help="Fetch http(s) image URLs clients send, from public addresses only (off: only inline base64 images)."
+        ),
     ] = False,
+    image_url_network: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A network (CIDR) image URLs may also be fetched from although it is not public, such as an "
+            "internal image store (repeatable; needs --allow-image-urls)."
+        ),
+    ] = None,
     drain_seconds: Annotated[
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
@@ -165,7 +178,6 @@ def serve(
     from tokentape.gateway.sessions import MemoryLimits
     from tokentape.runtime import RuntimeSettings, build_gateway
     from tokentape.server.app import create_app
-    from tokentape.server.dialects.images import ImageLimits
     from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
     from tokentape.server.middleware import GuardSettings
     from tokentape.train.weights import cache_dir
@@ -203,6 +215,7 @@ def serve(
         max_in_flight_per_key=max_in_flight_per_key,
         weights_dirs=weights_dir or default_weights_dirs(cache_dir()),
     )
+    image_limits = _image_limits(allow_image_urls, image_url_network or [])
     staleness = None
     if max_staleness is not None or admit_per_version is not None:
         from tokentape.core.staleness import Staleness
@@ -220,6 +233,7 @@ def serve(
             model_id=served_model_name,
             trajectory_queue=trajectory_queue,
             guard=guard,
+            image_limits=image_limits,
             staleness=staleness,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
@@ -240,7 +254,7 @@ def serve(
             guard=guard,
             owns_gateway=True,
             serving_process=True,
-            image_limits=ImageLimits(allow_fetch=allow_image_urls),
+            image_limits=image_limits,
         ),
         host=host,
         port=port,
@@ -254,3 +268,21 @@ def serve(
         access_log=log_level.lower() in ("debug", "info"),
         timeout_graceful_shutdown=drain_seconds,
     )
+
+
+def _image_limits(allow_fetch: bool, networks: list[str]) -> ImageLimits:
+    """`--allow-image-urls` and the networks it may also reach, each checked to be a network."""
+    import ipaddress
+
+    from tokentape.server.dialects.images import ImageLimits
+
+    if networks and not allow_fetch:
+        raise typer.BadParameter("needs --allow-image-urls", param_hint="--image-url-network")
+    for net in networks:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise typer.BadParameter(
+                f"{net!r} is not a network (10.0.0.0/8, fd00::/8)", param_hint="--image-url-network"
+            ) from None
+    return ImageLimits(allow_fetch=allow_fetch, fetch_networks=tuple(networks))

@@ -26,7 +26,8 @@ from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
-from tokentape.server.middleware import GuardSettings
+from tokentape.server.dialects.images import ImageLimits
+from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardSettings
 
 __all__ = [
     "NAMESPACE",
@@ -162,6 +163,7 @@ class GatewaySpec:
     trajectory_queue: str | None = None  # hand finished sessions to this queue
     engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
     guard: GuardSettings | None = None  # keys and limits
+    image_limits: ImageLimits | None = None  # --allow-image-urls and its networks, as on one gateway
     staleness: Staleness | None = None  # --max-staleness / --admit-per-version, as on one gateway
 
 
@@ -198,7 +200,12 @@ class GatewayActor:
             gateway.set_staleness(spec.staleness)
         self.gateway = gateway
         self.app = create_app(
-            gateway, model_id=spec.model_id or name, guard=spec.guard, owns_gateway=True, serving_process=True
+            gateway,
+            model_id=spec.model_id or name,
+            guard=spec.guard,
+            owns_gateway=True,
+            serving_process=True,
+            image_limits=spec.image_limits,
         )
         trainer = spec.guard.trainer_key if spec.guard is not None else None
         # this gateway's own calls to its app (hand-offs to the trajectory queue) are a trainer's
@@ -206,7 +213,12 @@ class GatewayActor:
         if trainer:
             self._own = ((b"authorization", f"Bearer {trainer}".encode()),)
         self.peers = RayPeers(spec.index)
-        self.routing = OwnerRouting(self.app, self.peers, on_finish=self._hand_off if spec.trajectory_queue else None)
+        self.routing = OwnerRouting(
+            self.app,
+            self.peers,
+            on_finish=self._hand_off if spec.trajectory_queue else None,
+            max_body_bytes=spec.guard.max_body_bytes if spec.guard is not None else DEFAULT_MAX_BODY_BYTES,
+        )
         self.url = f"http://{spec.host}:{spec.port}"
         config = uvicorn.Config(self.routing, host=spec.host, port=spec.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)

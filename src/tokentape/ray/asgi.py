@@ -65,14 +65,20 @@ class ResponseStart:
     headers: tuple[tuple[bytes, bytes], ...] = field(default=())
 
 
-async def read_body(receive: Callable[[], Awaitable[Message]]) -> tuple[bytes, bool]:
-    """The whole request body, and whether the client left while it was being read."""
+async def read_body(receive: Callable[[], Awaitable[Message]], limit: int) -> tuple[bytes | None, bool]:
+    """The whole request body (None past `limit` bytes: reading stops there), and whether the client
+    left while it was being read."""
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return b"".join(chunks), True
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None, False
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks), False
 

@@ -33,7 +33,8 @@ from tokentape.ray.actors import (
 from tokentape.ray.engines import ENGINE_REGISTRY, EmbeddedEngineActor, EngineRegistryActor, engine_actor_name
 from tokentape.ray.routing import OwnerRouting
 from tokentape.runtime import RuntimeSettings
-from tokentape.server.middleware import GuardSettings
+from tokentape.server.dialects.images import ImageLimits
+from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardSettings
 
 __all__ = [
     "ClusterSettings",
@@ -60,6 +61,7 @@ class ClusterSettings:
     queue_capacity: int = 1024
     engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
     guard: GuardSettings | None = None  # keys and limits, the same on every gateway
+    image_limits: ImageLimits | None = None  # images and image URLs, the same on every gateway
     # bounded staleness on every gateway; admission (admit_per_version) counts the groups each gateway admitted
     staleness: Staleness | None = None
 
@@ -182,6 +184,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             trajectory_queue=settings.trajectory_queue,
             engine_actors=len(engine_actors),
             guard=settings.guard,
+            image_limits=settings.image_limits,
             staleness=settings.staleness,
         )
         gateways.append(
@@ -196,9 +199,9 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
     return Cluster(settings, directory, gateways, queue, registry, engines)
 
 
-def front_app() -> OwnerRouting:
+def front_app(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> OwnerRouting:
     """The HTTP API of a process that owns no session: every request goes to its owner."""
-    return OwnerRouting(None, RayPeers(None))
+    return OwnerRouting(None, RayPeers(None), max_body_bytes=max_body_bytes)
 
 
 class TrajectoryReader:
@@ -257,6 +260,7 @@ def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_lev
         f"tokentape: {settings.gateways} gateways on Ray ({urls}); front at http://{settings.host}:{port}", flush=True
     )
     try:
-        uvicorn.run(front_app(), host=settings.host, port=port, log_level=log_level)
+        limit = settings.guard.max_body_bytes if settings.guard is not None else DEFAULT_MAX_BODY_BYTES
+        uvicorn.run(front_app(limit), host=settings.host, port=port, log_level=log_level)
     finally:
         cluster.stop()

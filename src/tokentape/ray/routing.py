@@ -24,6 +24,7 @@ from tokentape.gateway.sessions import check_session_id
 from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_body, run_app
 from tokentape.server.auth import offered_key, session_of_key
 from tokentape.server.dialects.registry import PATHS
+from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, reject
 from tokentape.store.scan import encode_cursor
 
 __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
@@ -103,10 +104,13 @@ class OwnerRouting:
         peers: Peers,
         *,
         on_finish: Callable[[str], Awaitable[None]] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.app = app  # None in the front process
         self.peers = peers
         self.on_finish = on_finish
+        # the body is read here, before the app's own limit could apply: the same limit, applied first
+        self.max_body_bytes = max_body_bytes
         self._background: set[asyncio.Task[None]] = set()
 
     async def __call__(
@@ -123,8 +127,15 @@ class OwnerRouting:
                     await send({"type": "lifespan.startup.complete"})
                 await send({"type": "lifespan.shutdown.complete"})
             return
-        body, gone = await read_body(receive)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        too_large = declared.isdigit() and int(declared) > self.max_body_bytes
+        body, gone = (None, False) if too_large else await read_body(receive, self.max_body_bytes)
         if gone:
+            return
+        if body is None:
+            await reject(
+                scope, send, 413, f"the request body exceeds {self.max_body_bytes} bytes", None, "request_too_large"
+            )
             return
         request = HttpRequest.from_scope(scope, body)
         parts = self.route(request)

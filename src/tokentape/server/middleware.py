@@ -18,7 +18,10 @@ from tokentape.server.auth import KEY_PREFIX, Kind, Refusal, body_session, decid
 from tokentape.server.dialects.registry import shape_for_path
 from tokentape.server.keys import KeyState, SessionKeys
 
-__all__ = ["Guard", "GuardSettings", "OPEN_PATHS", "replaying"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Guard", "GuardSettings", "OPEN_PATHS", "reject", "replaying"]
+
+# a 128k-token history is 1-2 MB of JSON; 16 MiB leaves room for tools and long tool results
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,8 +33,7 @@ class GuardSettings:
     def __init__(
         self,
         api_keys: Sequence[str] = (),
-        # a 128k-token history is 1-2 MB of JSON; 16 MiB leaves room for tools and long tool results
-        max_body_bytes: int = 16 * 1024 * 1024,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_header_bytes: int = 64 * 1024,
         *,
         require_session_keys: bool = False,
@@ -93,7 +95,7 @@ class Guard:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         settings = self.settings
         if sum(len(k) + len(v) for k, v in headers) > settings.max_header_bytes:
-            await _reject(
+            await reject(
                 scope,
                 send,
                 431,
@@ -114,7 +116,7 @@ class Guard:
         too_large = declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes
         body = None if too_large else await self._read_body(receive)
         if body is None:
-            await _reject(
+            await reject(
                 scope,
                 send,
                 413,
@@ -129,7 +131,7 @@ class Guard:
             in_body = body_session(body) if scope["method"] == "POST" else None
             if in_body is not None and in_body != key_session:
                 self.release(scope)
-                await _reject(
+                await reject(
                     scope,
                     send,
                     403,
@@ -161,7 +163,7 @@ class Guard:
             elif state is not KeyState.UNKNOWN:  # the right key of a session that is over
                 word = "finished" if state is KeyState.FINISHED else "deleted"
                 message = f"session {key_session!r} is {word}; its key no longer works"
-                await _reject(scope, send, 409, message, "session_id", f"session_{word}")
+                await reject(scope, send, 409, message, "session_id", f"session_{word}")
                 return False
             else:
                 kind = Kind.UNKNOWN
@@ -186,7 +188,7 @@ class Guard:
         assert key_session is not None and self.keys is not None
         if settings.max_in_flight_per_key is not None:
             if not self.keys.take(key_session):
-                await _reject(
+                await reject(
                     scope,
                     send,
                     429,
@@ -233,7 +235,7 @@ def replaying(body: bytes, receive: Any) -> Any:
     return replay
 
 
-async def _reject(
+async def reject(
     scope: Scope,
     send: Any,
     status: int,
@@ -259,4 +261,4 @@ async def _reject(
 
 async def _refuse(scope: Scope, send: Any, refusal: Refusal) -> None:
     error_type = "authentication_error" if refusal.status == 401 else "permission_error"
-    await _reject(scope, send, refusal.status, refusal.message, None, refusal.code, error_type)
+    await reject(scope, send, refusal.status, refusal.message, None, refusal.code, error_type)

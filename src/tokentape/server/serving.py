@@ -29,8 +29,9 @@ from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.bodies import json_object
 from tokentape.server.dialects.common import Caller, WireRequest
-from tokentape.server.dialects.images import ImageIntake, ImageLimits, fetch_remote_images
+from tokentape.server.dialects.images import ImageIntake, ImageLimits
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
+from tokentape.server.image_urls import fetch_remote_images, remote_image_urls
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
@@ -112,7 +113,7 @@ class Serving:
             use_error_shape(request, dialect.errors)
             raw = await json_object(request)
             if dialect.context.image_limits.allow_fetch:  # the operator's choice: image URLs fetched here
-                await fetch_remote_images(raw, dialect.context.image_limits)
+                await self._fetch_images(raw, dialect.context.image_limits)
             try:
                 req = dialect.request_model.model_validate(raw)
             except pydantic.ValidationError as exc:
@@ -133,6 +134,18 @@ class Serving:
             return StreamingResponse(body, media_type=dialect.media_type, headers=headers)
 
         return handle
+
+    async def _fetch_images(self, raw: dict[str, Any], limits: ImageLimits) -> None:
+        """Fetching holds an admission slot, as generating does: past `--max-active` a request is
+        refused (429) before it fetches, so fetches cannot pile up behind the engine."""
+        if not remote_image_urls(raw):
+            return
+        admission = self.gateway.admission
+        admission.take()
+        try:
+            await fetch_remote_images(raw, limits.fetch_rules())
+        finally:
+            admission.give()
 
     def caller(self, request: Request, body_session: str | None, body: bytes) -> Caller:
         """Who the request is. Every session name it carries is checked. The base URL's session

@@ -3,9 +3,8 @@
 decodable, of a supported type, within the size and count limits, and sent to a model that has
 vision. The part that fails is named in the 400. An http(s) URL is refused unless the operator
 allows fetching (`ImageLimits.allow_fetch`, `serve --allow-image-urls`): then the serving layer
-fetches it before the request is parsed (`fetch_remote_images`), within the same size limit, and the
-image goes on as if it had been sent inline. Fetching lets clients make the gateway request any URL
-it can reach: an operator's choice, off by default.
+fetches it before the request is parsed (`server/image_urls.py`: public addresses only, bounded in
+bytes, redirects and time), and the image goes on as if it had been sent inline. Off by default.
 
 What comes out is the gateway's image part, `{"type": "image", "image": <digest>}`, and the decoded
 image under its digest in the intake.
@@ -17,6 +16,7 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
 import threading
 import warnings
 from collections import OrderedDict
@@ -26,18 +26,15 @@ from typing import Any
 
 from tokentape.core.images import IMAGE_PART, DecodedImage
 from tokentape.errors import InvalidRequest
+from tokentape.server.image_urls import FetchRules
 
 __all__ = [
-    "FETCH_TIMEOUT",
     "IMAGE_TYPES",
     "ImageIntake",
     "ImageLimits",
     "LazyIntake",
-    "fetch_remote_images",
     "text_only_intake",
 ]
-
-FETCH_TIMEOUT = 10.0  # seconds for one image URL
 
 # media type -> the format name Pillow gives it
 IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
@@ -47,12 +44,26 @@ _FORMAT_TYPES = {fmt: media for media, fmt in IMAGE_TYPES.items()}
 @dataclass(frozen=True, slots=True)
 class ImageLimits:
     """What one request may send. `max_pixels` bounds a decoded image (a small file can decode to an
-    enormous bitmap); `allow_fetch` lets http(s) image URLs be fetched by the gateway."""
+    enormous bitmap); `allow_fetch` lets http(s) image URLs be fetched by the gateway, from public
+    addresses and the operator's `fetch_networks` only (`server/image_urls.py`)."""
 
     max_bytes: int = 10 * 1024 * 1024
     max_images: int = 64  # distinct images: a screenshot the history repeats counts once
     max_pixels: int = 4096 * 4096
     allow_fetch: bool = False
+    fetch_networks: tuple[str, ...] = ()  # CIDRs fetched although not public (an internal image store)
+    max_fetch_bytes: int = 32 * 1024 * 1024  # all of one request's fetched images: twice the body limit
+    max_redirects: int = 3
+    fetch_seconds: float = 20.0  # all of one request's fetches together
+
+    def fetch_rules(self) -> FetchRules:
+        return FetchRules(
+            max_bytes=self.max_bytes,
+            max_total_bytes=self.max_fetch_bytes,
+            max_redirects=self.max_redirects,
+            budget_seconds=self.fetch_seconds,
+            trusted=tuple(ipaddress.ip_network(net, strict=False) for net in self.fetch_networks),
+        )
 
 
 class ImageIntake:
@@ -222,69 +233,6 @@ class _Checked:
 
 
 _checked = _Checked()
-
-
-def _remote_urls(node: Any, where: str, found: list[tuple[dict[str, Any], str, str, str]]) -> None:
-    """Every http(s) image URL of a request body, as (the object holding it, its key, the URL, where)."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _remote_urls(item, f"{where}[{i}]", found)
-        return
-    if not isinstance(node, dict):
-        return
-    kind = node.get("type")
-    holder: dict[str, Any] | None = None
-    key = ""
-    if kind == "image_url":  # chat: {"image_url": "..."} or {"image_url": {"url": "..."}}
-        holder, key = (node["image_url"], "url") if isinstance(node.get("image_url"), dict) else (node, "image_url")
-    elif kind == "input_image":  # Responses
-        holder, key = node, "image_url"
-    elif kind == "url" and isinstance(node.get("url"), str):  # Messages: an image block's source
-        holder, key = node, "url"
-    if holder is not None and isinstance(holder.get(key), str) and holder[key].startswith(("http://", "https://")):
-        found.append((holder, key, holder[key], where))
-    for name, value in node.items():
-        if isinstance(value, (dict, list)):
-            _remote_urls(value, f"{where}.{name}" if where else name, found)
-
-
-async def fetch_remote_images(body: dict[str, Any], limits: ImageLimits) -> None:
-    """Fetch the http(s) image URLs of a request body and put each image inline (a base64 `data:` URL,
-    or a base64 source for Messages), so that the dialect checks it as any other. Only when the
-    operator allows fetching; a URL that fails is a 400 naming it."""
-    import httpx
-
-    found: list[tuple[dict[str, Any], str, str, str]] = []
-    _remote_urls(body, "", found)
-    if len(found) > limits.max_images:
-        raise InvalidRequest(f"a request may hold at most {limits.max_images} images", code="too_many_images")
-    async with httpx.AsyncClient(timeout=FETCH_TIMEOUT, follow_redirects=True) as client:
-        for holder, key, url, where in found:
-            data = bytearray()
-            try:
-                async with client.stream("GET", url) as response:
-                    if response.status_code != 200:
-                        answered = f"{where}: fetching {url} answered {response.status_code}"
-                        raise InvalidRequest(answered, param=where)
-                    async for chunk in response.aiter_bytes():
-                        data += chunk
-                        if len(data) > limits.max_bytes:
-                            raise InvalidRequest(
-                                f"{where}: an image may be at most {limits.max_bytes:,} bytes",
-                                param=where,
-                                code="image_too_large",
-                            )
-            except httpx.HTTPError as exc:
-                raise InvalidRequest(
-                    f"{where}: {url} could not be fetched ({type(exc).__name__})", param=where
-                ) from exc
-            media = response.headers.get("content-type", "").split(";")[0].strip() or "image/png"
-            encoded = base64.b64encode(bytes(data)).decode()
-            if key == "url" and holder.get("type") == "url":  # a Messages source becomes a base64 one
-                holder.clear()
-                holder.update({"type": "base64", "media_type": media, "data": encoded})
-            else:
-                holder[key] = f"data:{media};base64,{encoded}"
 
 
 def _may_be_an_image(media_type: Any) -> bool:
