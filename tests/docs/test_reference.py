@@ -1,11 +1,13 @@
 """The generated reference pages against the code they are written from, checked by other means: the
 CLI page against `tokentape VERB --help`, the routes page against the app's OpenAPI schema and the
 dialect registry, the export page against a real export through the gateway. A new option, route or
-dialect appears without a hand edit."""
+dialect appears without a hand edit; a route without a docstring, or an export field without a type
+and meaning, stops the build, and no table cell of either page is empty."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any
 
@@ -89,6 +91,8 @@ def test_every_route_of_the_app_and_every_dialect_is_on_the_page(hook: ModuleTyp
 
 def test_a_new_dialect_shows_up_without_a_hand_edit(hook: ModuleType, monkeypatch: Any) -> None:
     class ChatV2(OpenAIChat):
+        """Chat completions, version two."""
+
         path = "/v2/chat/completions"
 
     monkeypatch.setattr(app_module, "DIALECTS", (*DIALECTS, ChatV2))
@@ -103,8 +107,51 @@ def test_a_new_dialect_shows_up_without_a_hand_edit(hook: ModuleType, monkeypatc
     page = hook.routes_markdown(app.routes, [*DIALECTS, ChatV2], app.openapi()["paths"])
     rows = _route_rows(page)
     assert ("POST", "/v2/chat/completions") in rows and ("POST", "/sessions/{session_id}/v2/chat/completions") in rows
-    assert page.count("ChatV2 dialect (openai errors)") == 2
-    assert re.search(r"\| GET \| `/admin/snapshot` \| Write a snapshot of the store. \| yes \|", page)
+    assert page.count("ChatV2 dialect (openai errors): Chat completions, version two.") == 2
+    assert re.search(r"\| GET \| `/admin/snapshot` \| Write a snapshot of the store. \| .*\| yes \|", page)
+
+
+def _cells(page: str) -> list[list[str]]:
+    """The cells of every table row of a page (header and rule rows left out)."""
+    headers = ("| field ", "| method ", "| parameter ")
+    rows = [line for line in page.splitlines() if line.startswith("| ") and not line.startswith(headers)]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+
+
+def test_every_route_is_described_and_no_cell_but_reads_is_empty(hook: ModuleType) -> None:
+    page = hook.http_reference()
+    rows = _cells(page)
+    assert len(rows) >= 40
+    for method, path, what, _reads, who, schema in rows:
+        assert method and path and who and schema in ("yes", "no"), path
+        assert len(what) > 20, path  # a sentence, not a placeholder
+    by_path = {(r[0], r[1]): r for r in rows}
+    assert "completions: one prompt" in by_path[("POST", "`/v1/completions`")][2]  # not chat's line
+    assert "OpenAI chat completions" in by_path[("POST", "`/v1/chat/completions`")][2]
+    assert by_path[("GET", "`/health`")][4] == "anyone (no key)"
+    assert by_path[("POST", "`/sessions/{session_id}/reward`")][4] == "trainer key"
+    assert by_path[("POST", "`/sessions/{session_id}/v1/chat/completions`")][4] == "trainer key or the session's key"
+    assert "query `format`" in by_path[("GET", "`/export`")][3]
+
+
+def test_a_route_or_dialect_without_a_docstring_stops_the_build(hook: ModuleType, monkeypatch: Any) -> None:
+    class Bare(OpenAIChat):  # inherits a docstring, has none of its own
+        path = "/v2/bare"
+
+    monkeypatch.setattr(app_module, "DIALECTS", (*DIALECTS, Bare))
+    renderer = gguf_renderer(embedded_model_path())
+    app = app_module.create_app(Gateway(ScriptedEngine([], 0), renderer, SessionRegistry()), model_id="m")
+
+    @app.get("/admin/quiet")
+    async def quiet() -> dict[str, str]:
+        return {}
+
+    try:
+        hook.routes_markdown(app.routes, [*DIALECTS, Bare], app.openapi()["paths"])
+    except hook.Undocumented as exc:
+        assert "GET /admin/quiet" in str(exc) and "POST /v2/bare" in str(exc)
+    else:
+        raise AssertionError("an undocumented route was let through")
 
 
 def _fields(section: str) -> set[str]:
@@ -134,6 +181,50 @@ async def test_the_export_page_lists_what_a_real_export_holds(hook: ModuleType) 
     session_part = _section(page, "## A session")
     assert _fields(session_part) == set(native)
     assert _fields(_section(page, "### A branch")) == set(native["branches"][0])
-    assert re.search(r"\| `turn_index` \| per token \|", page) and re.search(r"\| `turn_ids` \| per turn \|", page)
+    assert "| `turn_index` | `list[int]`, one per token |" in page
+    assert "| `turn_ids` | `list[int]`, one per turn |" in page
+    assert "| `tokens` | `list[list[int]]`, one per member |" in _section(page, "### `atropos`")
+    assert "| `scores` | `list[float \\| null]`, one per member |" in _section(page, "### `atropos`")
+    assert "| `completion_ids` | `list[int]`, one per sampled token |" in _section(page, "### `stepwise`")
+    assert "| `policy_version` | `str \\| null` |" in _section(page, "### `stepwise`")
     for fmt in FORMATS:
         assert _fields(_section(page, f"### `{fmt}`")) == set(rows[fmt]), fmt
+    for cells in _cells(page):
+        assert len(cells) == 3 and all(cells), cells  # every field has a type and a meaning
+
+
+def test_an_export_field_without_an_entry_or_of_another_type_stops_the_build(hook: ModuleType) -> None:
+    from tokentape.core.export import export_session
+    from tokentape.core.formats import format_rows, samples_of
+
+    trees = hook._sample_trees()
+    native = export_session(trees[0])
+    rows = {fmt: format_rows(samples_of(trees), fmt) for fmt in FORMATS}
+    hook.export_markdown(native, rows, EXPORT_SCHEMA_VERSION)  # as exported: described
+    cases = {
+        "`surprise` has no entry": lambda n, r: r["openrlhf"][0].update(surprise=1),
+        "`truncated` is 'no', not bool": lambda n, r: n["branches"][0].update(truncated="no"),
+        "`turn_ids` has 3 entries, not one per turn": lambda n, r: n["branches"][0].update(turn_ids=[0, 1, 2]),
+        "`step` is declared": lambda n, r: [row.pop("step") for row in r["stepwise"]],
+    }
+    for expected, change in cases.items():
+        broken_native = export_session(trees[0])
+        broken_rows = {fmt: format_rows(samples_of(trees), fmt) for fmt in FORMATS}
+        change(broken_native, broken_rows)
+        try:
+            hook.export_markdown(broken_native, broken_rows, EXPORT_SCHEMA_VERSION)
+        except hook.Undocumented as exc:
+            assert expected in str(exc), (expected, str(exc))
+        else:
+            raise AssertionError(f"not refused: {expected}")
+
+
+def test_the_python_api_page_lists_every_integration(hook: ModuleType) -> None:
+    import pkgutil
+
+    import tokentape.integrations as package
+
+    page = hook.python_markdown((Path(__file__).parents[2] / "docs/reference/python.md").read_text())
+    for info in pkgutil.iter_modules(package.__path__):
+        assert f"::: tokentape.integrations.{info.name}" in page, info.name
+    assert "::: tokentape.integrations.verl" in page

@@ -58,6 +58,8 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path
 
     @app.get("/admin/status")
     async def admin_status() -> dict[str, Any]:
+        """Whether generation is paused, the policy and weights versions, the update running or last
+        done, requests running, and the engine's own counters."""
         return status()
 
     @app.post("/admin/weights")
@@ -70,6 +72,8 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path
 
     @app.post("/admin/rollback")
     async def rollback(request: Request) -> dict[str, Any]:
+        """After a failed weight update: load the current version's weights again on every engine and
+        release generation; 409 if no update failed or one is running."""
         report = await gateway.updates.rollback()
         return {**report, "status": status()}
 
@@ -95,6 +99,8 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path
 
     @app.get("/admin/engines")
     async def engines() -> dict[str, Any]:
+        """The remote engines the gateway routes to, each with its kind, URL, health, whether it is
+        draining, and its load (requests in flight, sessions pinned, tokens generated)."""
         return {"object": "list", "data": gateway.pool()}
 
     @app.post("/admin/engines")

@@ -145,6 +145,8 @@ def create_app(
 
     @openai_routes.get("/models")
     async def models() -> dict[str, Any]:
+        """The one model this gateway serves: its name (the `model` every request must send or omit)
+        and its context length (`max_model_len`)."""
         return {
             "object": "list",
             "data": [
@@ -160,6 +162,8 @@ def create_app(
 
     @openai_routes.get("/health")
     async def health() -> dict[str, Any]:
+        """Liveness: `{"status": "ok"}` with the model, sessions in memory, requests running and tokens
+        generated. At the root it needs no key (for probes)."""
         stats = gateway.stats()
         return {
             "status": "ok",
@@ -172,6 +176,8 @@ def create_app(
 
     @openai_routes.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
+        """Token IDs of a `prompt`, or of `messages` rendered by the chat template (vLLM's route):
+        `tokens`, `count` and `max_model_len`. Nothing is recorded."""
         req, raw = await _parse(request, TokenizeRequest)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -187,6 +193,7 @@ def create_app(
 
     @openai_routes.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
+        """The text of a list of token IDs (`tokens`), as `prompt` (vLLM's route). Nothing is recorded."""
         req, _ = await _parse(request, DetokenizeRequest)
         serving.check_model(req.model)
         if any(not 0 <= t < tokenizer.vocab_size for t in req.tokens):

@@ -177,6 +177,10 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
 
     @app.post("/sessions", status_code=201)
     async def create_session(request: Request) -> dict[str, Any]:
+        """Open a session; every field is optional: `session_id` (else one is made), `group_id`,
+        `metadata`, `rewrite_policy`, `max_staleness`, `reward`. Answers 201 with its summary, its
+        own `api_key` (shown this once) and the `base_url` its agent calls; 400 `session_exists` if
+        the id is taken."""
         data = await json_object(request, optional=True)
         session_id = _optional_str(data, "session_id")
         policy = _optional_str(data, "rewrite_policy")
@@ -200,6 +204,8 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
 
     @app.get("/sessions/{session_id}")
     async def get_session(session_id: str) -> dict[str, Any]:
+        """One session's summary (turns, branches, tokens, rewards, finished) and its rewrite events;
+        404 if there is none. The tokens themselves: its export."""
         session = await sessions.get(session_id)
         return {**session.summary(), "rewrite_events": [r.as_dict() for r in session.tree.rewrites]}
 
@@ -303,6 +309,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
 
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:
+        """Delete a session from memory and from the store, and revoke its key; 404 if there is none."""
         await sessions.delete(session_id)
         keys.revoke(session_id)
         return {"id": session_id, "object": "session", "deleted": True, "at": time.time()}

@@ -398,6 +398,9 @@ def check_event(event: dict[str, Any]) -> dict[str, Any]:
 
 # -- the dialect -----------------------------------------------------------------------------------
 class AnthropicMessages(Dialect[MessagesRequest]):
+    """Anthropic Messages: `system` and content blocks in, one assistant turn sampled and recorded,
+    answered as a `Message` (or its stream events) with the token data."""
+
     path = "/v1/messages"
     errors = ANTHROPIC_ERRORS
     request_model = MessagesRequest

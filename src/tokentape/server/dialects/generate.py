@@ -135,6 +135,9 @@ def finish_reason(reason: str) -> str:
 
 
 class VLLMGenerate(Dialect[GenerateRequest]):
+    """vLLM's token route: `token_ids` and `sampling_params` in, sampled `token_ids` and logprobs out;
+    no chat template applied. Inside a session the prompt extends the branch its tokens start with."""
+
     path = "/inference/v1/generate"  # vLLM's token route lives at the server root, not under /v1
     errors = OPENAI_ERRORS
     request_model = GenerateRequest

@@ -80,6 +80,9 @@ class _OpenAI(Dialect[OpenAIRequest]):
 
 
 class OpenAIChat(_OpenAI[ChatCompletionRequest]):
+    """OpenAI chat completions: messages in, one assistant turn sampled and recorded, answered as a
+    `ChatCompletion` (or its SSE chunks) with `prompt_token_ids` and each choice's `token_ids`."""
+
     path = "/v1/chat/completions"
     request_model = ChatCompletionRequest
 
@@ -145,6 +148,9 @@ class OpenAIChat(_OpenAI[ChatCompletionRequest]):
 
 
 class OpenAICompletions(_OpenAI[CompletionRequest]):
+    """OpenAI text completions: one prompt (text or token IDs) in, no chat template applied, answered
+    as a `Completion` (or its SSE chunks); inside a session the prompt extends the branch it starts with."""
+
     path = "/v1/completions"
     request_model = CompletionRequest
 

@@ -491,6 +491,9 @@ RESPONSES_ERRORS = ErrorShape("openai-responses", OPENAI_ERRORS.body, _responses
 
 
 class OpenAIResponses(Dialect[ResponsesRequest]):
+    """OpenAI Responses: input items (or `previous_response_id` and new input) in, one assistant turn
+    sampled and recorded, answered as a `Response` (or its stream events) with the token data."""
+
     path = "/v1/responses"
     errors = RESPONSES_ERRORS
     request_model = ResponsesRequest
