@@ -43,6 +43,7 @@ __all__ = ["PROBE_TEXT", "UpdateFailed", "WeightUpdate", "WeightUpdater", "engin
 
 QUIET_TIMEOUT = 30.0  # seconds running generations get to stop at a token boundary (a stuck client's stream)
 PROBE_TIMEOUT = 60.0  # seconds for the probe's one token (a cold remote engine's first forward included)
+MAX_PATH_LENGTH = 4096  # PATH_MAX on Linux
 PROBE_TEXT = "Hello"  # one token on most vocabularies: the probe costs one forward pass
 
 
@@ -77,6 +78,10 @@ def parse_update(data: dict[str, Any]) -> WeightUpdate:
         path = data[kind]
         if not isinstance(path, str) or not path:
             raise InvalidRequest(f"{kind} must be a path", param=kind)
+        if "\0" in path or len(path) > MAX_PATH_LENGTH:
+            raise InvalidRequest(
+                f"{kind} must be a path (no NUL byte, at most {MAX_PATH_LENGTH} characters)", param=kind
+            )
         source = WeightSource("lora" if kind == "lora" else "model", path)
     in_flight = data.get("in_flight", "continue")
     for mode in IN_FLIGHT_MODES:
@@ -183,6 +188,10 @@ class WeightUpdater:
             gate.seam(update.in_flight)
         try:
             await asyncio.wait_for(gate.quiet(), QUIET_TIMEOUT)
+        except asyncio.CancelledError:  # the caller left: nothing was paused or loaded
+            if not gate.operator_hold:
+                gate.release()
+            raise
         except TimeoutError:
             if not gate.operator_hold:  # nothing was paused or loaded: generations go on under the old version
                 gate.release()
@@ -194,10 +203,11 @@ class WeightUpdater:
         previous = gate.version
         loaded: list[int] = []
         pausing: list[int] = []  # engines whose pause succeeded: resumed again whatever fails after it
-        resuming = probed = False
+        resuming = probed = loading = False
         try:
             await self._step(engines, "pause", lambda e: e.pause_generation(update.in_flight), pausing)
             lap("pause")
+            loading = True
             await self._step(engines, "load", lambda e: e.load_weights(update.source, update.version), loaded)
             lap("load")
             # engines resume before their probe: a paused vLLM or SGLang holds every request, the probe's
@@ -208,23 +218,20 @@ class WeightUpdater:
             probed = True
             await self._probe(engines)
             lap("probe")
-        except UpdateFailed as exc:
-            message = exc.message
-            if loaded:  # atomic: the engines that took the new weights go back to the current ones
-                try:
-                    await self._restore([engines[i] for i in loaded], previous)
-                    loaded = []
-                    message += f"; the engines that had loaded version {update.version} are back on {previous}"
-                except UpdateFailed as again:
-                    message += f"; putting the old weights back failed too ({again.message})"
-            # a paused vLLM or SGLang holds every request until resumed, and /admin/resume releases only
-            # the gateway's gate: every engine paused here runs again (and answers a probe) before this
-            # returns. The gate stays held, so nothing but the probe reaches them. Only the probe
-            # computes anything under the new weights: before it, no cached prefix needs dropping.
-            to_resume = [engines[i] for i in (range(len(engines)) if resuming else pausing)]
-            message += await self._unpause(to_resume, fresh_kv=probed)
-            self.failure = _Failure(update.version, loaded, message)
-            raise UpdateFailed(message) from exc
+        except BaseException as exc:
+            # Every exit, a cancelled caller's included, leaves the engines serving. Cut off mid-step,
+            # any engine may have paused or loaded: all are taken back. The clean-up is shielded: a
+            # second cancellation cannot stop it halfway (a paused engine holds every request).
+            if not isinstance(exc, UpdateFailed):
+                everyone = list(range(len(engines)))
+                pausing, loaded = everyone, everyone if loading else loaded
+            cleanup = asyncio.ensure_future(
+                self._after_failure(engines, update, previous, loaded, pausing, resumed=resuming, probed=probed)
+            )
+            message = await asyncio.shield(cleanup)
+            if not isinstance(exc, UpdateFailed):
+                raise
+            raise UpdateFailed(f"{exc.message}{message}") from exc
         gate.version = update.version
         gate.label = str(update.version)
         self.history.append(update.source)
@@ -246,6 +253,37 @@ class WeightUpdater:
         }
         self.last = report
         return report
+
+    async def _after_failure(
+        self,
+        engines: Sequence[tuple[str, UpdatableEngine]],
+        update: WeightUpdate,
+        previous: int,
+        loaded: list[int],
+        pausing: list[int],
+        *,
+        resumed: bool,
+        probed: bool,
+    ) -> str:
+        """After a failure between pause and switch: the engines that took the new weights load the
+        current ones again, every engine paused here runs again (and answers a probe), and the failure
+        is recorded; what happened, as words to add to the error's message."""
+        message = ""
+        if loaded:  # atomic: the engines that took the new weights go back to the current ones
+            try:
+                await self._restore([engines[i] for i in loaded], previous)
+                loaded = []
+                message += f"; the engines that had loaded version {update.version} are back on {previous}"
+            except UpdateFailed as again:
+                message += f"; putting the old weights back failed too ({again.message})"
+        # a paused vLLM or SGLang holds every request until resumed, and /admin/resume releases only
+        # the gateway's gate: every engine paused here runs again (and answers a probe) before this
+        # returns. The gate stays held, so nothing but the probe reaches them. Only the probe
+        # computes anything under the new weights: before it, no cached prefix needs dropping.
+        to_resume = [engines[i] for i in (range(len(engines)) if resumed else pausing)]
+        message += await self._unpause(to_resume, fresh_kv=probed)
+        self.failure = _Failure(update.version, loaded, message)
+        return message
 
     async def _step(
         self,
@@ -335,5 +373,11 @@ class WeightUpdater:
         finally:
             self.running = False
         self.failure = None
-        gate.release()
-        return {"version": gate.version, "seconds": round(time.perf_counter() - started, 6)}
+        still_paused = gate.operator_hold  # an operator's pause outlives the rollback, as it does an update
+        if not still_paused:
+            gate.release()
+        return {
+            "version": gate.version,
+            "seconds": round(time.perf_counter() - started, 6),
+            "still_paused": still_paused,
+        }

@@ -12,6 +12,7 @@ POST /admin/pause, /admin/resume: hold and release by hand (resume's policy_vers
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,13 @@ from tokentape.server.bodies import json_object
 __all__ = ["add_admin_routes", "check_weights_dir"]
 
 
-def check_weights_dir(source: WeightSource, allowed: Sequence[Path] | None) -> None:
+def check_weights_dir(source: WeightSource, allowed: Sequence[Path] | None) -> WeightSource:
     """Weights load only from the directories the operator allows (None: any): Forbidden naming the
-    rule otherwise. The path is resolved first (`..` and symbolic links cannot step outside)."""
+    rule otherwise. The path is resolved first (`..` and symbolic links cannot step outside), and the
+    source returned names the resolved path: the file checked is the file loaded, even if a link on
+    the way is swapped before the engines load it."""
     if allowed is None or source.path is None:
-        return
+        return source
     resolved = Path(source.path).resolve()
     if not any(resolved.is_relative_to(folder) for folder in allowed):
         folders = ", ".join(str(folder) for folder in allowed) or "none"
@@ -41,6 +44,7 @@ def check_weights_dir(source: WeightSource, allowed: Sequence[Path] | None) -> N
             param=source.kind,
             code="weights_dir_forbidden",
         )
+    return dataclasses.replace(source, path=str(resolved))
 
 
 def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path] | None = None) -> None:
@@ -66,7 +70,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway, weights_dirs: Sequence[Path
     async def weights(request: Request) -> dict[str, Any]:
         """Load new weights on every engine and switch the version, atomically."""
         update = parse_update(await json_object(request))
-        check_weights_dir(update.source, weights_dirs)
+        update = dataclasses.replace(update, source=check_weights_dir(update.source, weights_dirs))
         report = await gateway.updates.update(update)
         return {**report, "status": status()}
 

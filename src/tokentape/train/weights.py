@@ -72,13 +72,17 @@ def cache_dir() -> Path:
 
 
 def f32_gguf(source: Path, target_dir: Path | None = None) -> Path:
-    """`source` with every tensor in F32, metadata unchanged but the file type. Cached by the source's
-    name and size; written to a temporary name first, so a half-written file is never used."""
+    """`source` with every tensor in F32, metadata unchanged but the file type. Cached by the digest of
+    the source's bytes (a new checkpoint under an old name and size is converted anew; hashing costs
+    well under a second per 100 MB); written to a temporary name first, so a half-written file is
+    never used."""
     import gguf
 
-    stat = source.stat()
-    key = hashlib.blake2b(f"{source.name}:{stat.st_size}".encode(), digest_size=6).hexdigest()
-    target = (target_dir or cache_dir()) / f"{source.stem}.f32-{key}.gguf"
+    with source.open("rb") as file:
+        key = hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=8)).hexdigest()
+    folder = target_dir or cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{source.stem}.f32-{key}.gguf"
     if target.is_file():
         return target
     reader = gguf.GGUFReader(str(source))
