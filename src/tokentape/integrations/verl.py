@@ -44,9 +44,10 @@ An episode never raises out of `run`; it ends with `tokentape_status`:
 - `context_full`: a request no longer fit (the episode's `response_length` is used up, or the prompt
   passed the servers' `prompt_length + response_length`). The branch so far, truncated, rewarded
   `overflow_reward`;
-- `error` (the agent raised; the error in `tokentape_error`) and `refused` (the gateway refused a
-  request: its code in `tokentape_error`): the branch so far with `response_mask` all 0, rewarded
-  `error_reward`, so it adds nothing to the loss.
+- `error` (the agent raised; the error in `tokentape_error`), `refused` (the gateway refused a
+  request: its code in `tokentape_error`) and `engine_error` (`server_manager.generate` itself
+  failed, a dead server or actor): the branch so far with `response_mask` all 0, rewarded
+  `error_reward`, so it adds nothing to the loss (`tokentape.integrations.inprocess`).
 When no turn was recorded the sample is the prompt as the gateway renders it (left-truncated to
 `prompt_length`, as verl caps prompts) and a one-token response (the end-of-sequence token) under
 mask 0, which verl pads like any other and trains nothing on.
@@ -60,30 +61,26 @@ import hashlib
 import inspect
 import os
 import time
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from tokentape.client import InProcessGateway
 from tokentape.engines.verl import VerlEngine
 from tokentape.errors import TokentapeError
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import MemoryLimits, SessionRegistry, check_policy
-from tokentape.rollout import context_overflow, last_branch, load_agent, rendered_prompt
+from tokentape.gateway.sessions import check_policy
+from tokentape.integrations.inprocess import TRAINED, in_process_gateway, plain, run_episode
+from tokentape.rollout import last_branch, load_agent, rendered_prompt
 from tokentape.runtime import hf_renderer
-from tokentape.store.sqlite import SqliteStore
 
 __all__ = ["CONFIG_PATH", "TokentapeAgentLoop", "VerlSample", "verl_sample", "worker_gateway"]
 
 CONFIG_PATH = Path(__file__).with_name("verl_agent_loop.yaml")  # registers `tokentape_agent`
 Agent = Callable[..., Awaitable[float | None]]  # (client, prompt) or (client, prompt, row)
-MAX_ACTIVE = 1 << 20  # verl's load balancer paces its servers; the gateway adds no queue of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +146,7 @@ async def worker_gateway(
     key = (id(server_manager), str(tokenizer_dir), prompt_length, response_length, rewrite_policy, store)
     task = _GATEWAYS.get(key)
     if task is None:
-        policy = check_policy(rewrite_policy)
+        check_policy(rewrite_policy)  # an unknown policy fails here, before anything is built
 
         async def build() -> WorkerGateway:
             renderer = await asyncio.to_thread(hf_renderer, tokenizer_dir)
@@ -162,11 +159,8 @@ async def worker_gateway(
                 logprobs_mode=logprobs_mode,
                 takes_seed=rollout_name == "vllm",
             )
-            # every session is finished and exported by its episode: none need outlive it in memory
-            sessions = SessionRegistry(policy, SqliteStore(store), MemoryLimits(idle_seconds=600.0))
-            core = Gateway(engine, renderer, sessions, max_active=MAX_ACTIVE)
-            core.clip_max_tokens = True  # as verl's servers clip max_tokens to the room left
-            return WorkerGateway(InProcessGateway(gateway=core, model=engine.model_id), engine, store != ":memory:")
+            client = in_process_gateway(engine, renderer, rewrite_policy=rewrite_policy, store=store)
+            return WorkerGateway(client, engine, store != ":memory:")
 
         task = _GATEWAYS[key] = asyncio.ensure_future(build())
     try:
@@ -174,29 +168,6 @@ async def worker_gateway(
     except Exception:
         _GATEWAYS.pop(key, None)  # a failed build is not kept: the next episode tries again
         raise
-
-
-def _plain(value: Any) -> Any:
-    """A dataset value without numpy containers (verl's batches hold rows as numpy object arrays)."""
-    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
-        value = value.tolist()
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _refusal(exc: BaseException) -> str | None:
-    """The gateway's error code when an exception (or one it came from) is a refused request."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, openai.APIStatusError):
-            return str(getattr(current, "code", None) or current.status_code)
-        current = current.__cause__ or current.__context__
-    return None
 
 
 class TokentapeAgentLoop(AgentLoopBase):
@@ -251,17 +222,25 @@ class TokentapeAgentLoop(AgentLoopBase):
             store=self.store,
         )
         gateway, engine = worker.client, worker.engine
-        prompt = _plain(row["raw_prompt"])
+        prompt = plain(row["raw_prompt"])
         session_id = f"verl-{os.getpid()}-{uuid.uuid4().hex}"
-        group = str(_plain(row["uid"])) if "uid" in row else "prompt-" + _digest(prompt)
+        group = str(plain(row["uid"])) if "uid" in row else "prompt-" + _digest(prompt)
         started = time.perf_counter()
         engine.open_episode(session_id, sampling_params)
         try:
-            status, error, reward, export = await self._episode(gateway, session_id, group, prompt, row)
-        except Exception:  # the gateway itself failed around the episode: still a sample verl can pad
-            status, error, reward, export = "error", traceback.format_exc()[-4000:], self.error_reward, {}
+            extra = (plain(dict(row)),) if self._takes_row else ()
+            episode = await run_episode(
+                gateway,
+                session_id,
+                self.agent,
+                (prompt, *extra),
+                group=group,
+                overflow_reward=self.overflow_reward,
+                error_reward=self.error_reward,
+            )
         finally:
             spent = engine.close_episode(session_id)
+        status, error, reward, export = episode.status, episode.error, episode.reward, episode.export
         metrics = AgentLoopMetrics(generate_sequences=spent, tool_calls=time.perf_counter() - started - spent)
         logprobs = bool(sampling_params.get("logprobs"))
         branches = sorted(export.get("branches", ()), key=lambda b: max(b["turn_ids"]))
@@ -276,28 +255,6 @@ class TokentapeAgentLoop(AgentLoopBase):
                 await gateway.gateway.sessions.delete(session_id)
         return outputs if self.all_branches else outputs[-1]
 
-    async def _episode(
-        self, gateway: InProcessGateway, session_id: str, group: str, prompt: Any, row: Mapping[str, Any]
-    ) -> tuple[str, str | None, float | None, dict[str, Any]]:
-        """Run the agent in its session: (status, error, reward, the session's export)."""
-        await gateway.create_session(session_id, group_id=group, metadata={"max_tokens": "clip"})
-        status, error, reward = "done", None, None
-        try:
-            extra = (_plain(dict(row)),) if self._takes_row else ()
-            result = self.agent(gateway.client(session_id), prompt, *extra)
-            reward = await result if inspect.isawaitable(result) else result
-        except Exception as exc:
-            if context_overflow(exc):
-                status, reward = "context_full", self.overflow_reward
-            else:
-                code = _refusal(exc)
-                status, reward = ("refused", self.error_reward) if code else ("error", self.error_reward)
-                error = code or traceback.format_exc()[-4000:]
-        rewards = {} if reward is None else {"reward": float(reward)}
-        await gateway.finish(session_id, metadata={"status": status}, **rewards)
-        export: dict[str, Any] = await gateway.export(session_id)
-        return status, error, None if reward is None else float(reward), export
-
     def _output(
         self,
         branch: Mapping[str, Any],
@@ -307,7 +264,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         logprobs: bool,
     ) -> AgentLoopOutput:
         sample = verl_sample(branch, prompt_length=self.prompt_length, response_length=self.response_length)
-        trained = ending["tokentape_status"] in ("done", "context_full")
+        trained = ending["tokentape_status"] in TRAINED
         low, high = sample.global_steps
         return AgentLoopOutput(
             prompt_ids=sample.prompt_ids,
