@@ -11,6 +11,12 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.core.sampling import SamplingParams
+from tokentape.engines.scripted import ScriptedEngine
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.server.app import create_app
 from tokentape.server.dialects import anthropic, responses
 
 
@@ -250,14 +256,30 @@ async def test_top_k_minus_one_is_off_as_in_vllm(http: httpx.AsyncClient) -> Non
     assert (await http.post("/sessions/off/v1/chat/completions", json=body)).status_code == 200
 
 
-async def test_messages_take_the_trainer_fields_of_chat(http: httpx.AsyncClient) -> None:
-    """`min_p`, `top_k`, `seed` and `rewrite_policy` reach the gateway from Messages as from chat:
-    the same seed gives the same tokens on both routes."""
+async def test_messages_take_the_trainer_fields_of_chat(renderer: Renderer) -> None:
+    """`min_p`, `top_k`, `seed` and `rewrite_policy` reach the engine from Messages as from chat: the
+    engine is asked the same thing on both routes (a recording engine: two sampled runs of one seed
+    may differ where a cached prefix changes the rounding)."""
+    asked: list[tuple[SamplingParams, int | None]] = []
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompt: Any, params: SamplingParams, *, seed: int | None, **options: Any) -> Any:
+            asked.append((params, seed))
+            return super().generate(prompt, params, seed=seed, **options)
+
+    engine = Recording(renderer.tokenizer.encode("Fine."), renderer.tokenizer.encode("<|im_end|>")[0])
+    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL_NAME)
     common = {"max_tokens": 6, "temperature": 1.0, "min_p": 0.05, "top_k": 20, "seed": 11, "rewrite_policy": "fork"}
     messages = [{"role": "user", "content": "Hi"}]
-    chat = (await http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, **common})).json()
-    message = (await http.post("/v1/messages", json={"model": MODEL_NAME, "messages": messages, **common})).json()
-    assert message["token_ids"] == chat["choices"][0]["token_ids"]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        chat = await http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages, **common})
+        message = await http.post("/v1/messages", json={"model": MODEL_NAME, "messages": messages, **common})
+        assert chat.status_code == message.status_code == 200, (chat.text, message.text)
+        policies = [s["policy"] for s in (await http.get("/sessions")).json()["data"]]
+    (chat_params, chat_seed), (message_params, message_seed) = asked
+    assert (chat_params.min_p, chat_params.top_k, chat_params.temperature) == (0.05, 20, 1.0)
+    assert message_params == chat_params and message_seed == chat_seed is not None
+    assert policies == ["fork", "fork"]
 
 
 # -- nothing that can fail runs after the turn is recorded -----------------------------------------

@@ -90,6 +90,13 @@ def serve(
         int, typer.Option(help="Sessions kept in memory (all stay in the store and reload on use).")
     ] = 10_000,
     idle_seconds: Annotated[float, typer.Option(help="A session idle this long leaves memory.")] = 3600.0,
+    max_memory_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Bytes the sessions in memory may hold (tokens and images); past it the least recently used "
+            "leave memory (they stay in the store), and if the running ones alone hold it, new requests get 429."
+        ),
+    ] = 4 * 1024**3,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
     allow_image_urls: Annotated[
         bool,
@@ -194,7 +201,7 @@ def serve(
         served_model_name=served_model_name,
         store_path=store,
         max_active=max_active,
-        memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds),
+        memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds, max_bytes=max_memory_bytes),
         match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]

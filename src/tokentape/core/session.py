@@ -78,6 +78,9 @@ def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
     return i
 
 
+BYTES_PER_TOKEN = 14
+
+
 class SessionTree:
     """The recorded turns of one session. Append-only: nodes are added, never removed or edited."""
 
@@ -110,6 +113,13 @@ class SessionTree:
     @property
     def token_count(self) -> int:
         return sum(n.end - n.keep for n in self.nodes)
+
+    @property
+    def held_bytes(self) -> int:
+        """About what the session holds in memory: its tokens as measured (`benchmarks/memory.py`:
+        13.9 bytes per recorded token, ids, logprobs, messages and indexes together) and its images'
+        bytes, each once."""
+        return BYTES_PER_TOKEN * self.token_count + sum(len(image.data) for image in self.images.values())
 
     def summary(self) -> dict[str, object]:
         return {

@@ -493,6 +493,7 @@ class Gateway:
             if (run.tokens or run.completed) and not run.engine_fault:
                 node = self._record(ticket, plan, run, constraint, trace_id, images)
                 write = ticket.write(node)
+                self.sessions.account(ticket.session)
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
         yield ChoiceDone(index, run.reply, run.text, run.tokens, run.finish, node.id)

@@ -123,9 +123,15 @@ class PrefixMatch:
 
 @dataclass(frozen=True, slots=True)
 class MemoryLimits:
-    """Sessions are always in the store; these bound how many stay in memory as well."""
+    """Sessions are always in the store; these bound how many stay in memory as well, and how many
+    bytes they may hold there (tokens, logprobs and image bytes, `SessionTree.held_bytes`). Past the
+    bytes, the least recently used sessions not running leave memory; if the running ones alone
+    are past it, new requests wait (429 with Retry-After) instead of the process being killed."""
 
     max_sessions: int = 10_000
+    # 4 GiB: on a 24 GiB machine it leaves the engine, the interpreter and the page cache ample room,
+    # and holds ~300M recorded tokens (13.9 bytes each, `make bench`) or ~20,000 400 KB screenshots
+    max_bytes: int = 4 * 1024**3
     idle_seconds: float = 3600.0  # a session unused this long leaves memory (it reloads on use)
     evict_every: float = 30.0  # how often idle sessions are looked for; a scan costs one pass over the idle ones
 
@@ -146,6 +152,8 @@ class SessionRegistry:
         self.store = store or SqliteStore(":memory:")
         self.limits = limits
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._sizes: dict[str, int] = {}  # bytes each session in memory holds, as last counted
+        self.held_bytes = 0
         self.evicted = 0
         self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
         self._timer: asyncio.TimerHandle | None = None
@@ -198,7 +206,7 @@ class SessionRegistry:
         """Hold a session in memory, unless another task put it there first while we awaited."""
         held = self._sessions.setdefault(session.id, session)
         self._touch(held)
-        self._trim()
+        self.account(held)
         self._arm_evictions()
         return held
 
@@ -256,7 +264,7 @@ class SessionRegistry:
 
     def discard(self, session_id: str) -> None:
         """Forget a session that was never written (the requests that opened it recorded nothing)."""
-        self._sessions.pop(session_id, None)
+        self._forget(session_id)
 
     async def delete(self, session_id: str) -> None:
         """Delete a session (also one whose stored rows cannot be read); NotFound if there is none."""
@@ -265,13 +273,16 @@ class SessionRegistry:
         except StoreFailure as exc:
             if exc.code != "session_corrupt":
                 raise
-        self._sessions.pop(session_id, None)
+        self._forget(session_id)
         await self.store.delete(session_id)
 
     async def persist(self, session: Session) -> None:
-        """Write a session's row (creation, rewards, finish)."""
+        """Write a session's row (creation, rewards, finish). A finished session leaves memory once it
+        is written and nothing runs in it: its export is served from the store from then on."""
         if not await self.store.save_session(session.tree):
             raise Conflict(f"session {session.id!r} was deleted", param="session_id", code="session_deleted")
+        if session.tree.outcome.finished and not session.in_flight and self._sessions.get(session.id) is session:
+            self._drop([session.id])
 
     async def scan(
         self, where: SessionFilter = ANY_SESSION, *, after: SessionKey | None = None, page_size: int = PAGE_SIZE
@@ -306,17 +317,34 @@ class SessionRegistry:
         return Session.restored(stored.tree).summary()
 
     # -- memory --------------------------------------------------------------------------------------
+    def account(self, session: Session) -> None:
+        """Count what a session holds now (on loading it and after each recorded turn), then trim."""
+        if self._sessions.get(session.id) is not session:
+            return
+        size = session.tree.held_bytes
+        self.held_bytes += size - self._sizes.get(session.id, 0)
+        self._sizes[session.id] = size
+        self._trim()
+
+    def over_budget(self) -> bool:
+        """Whether the sessions in memory hold more than the budget even after trimming (the
+        running ones cannot leave)."""
+        return self.held_bytes > self.limits.max_bytes
+
     def _trim(self) -> None:
-        """Past the size limit, drop the least recently used sessions that are not running."""
+        """Past the count or the bytes, drop the least recently used sessions that are not running."""
         excess = len(self._sessions) - self.limits.max_sessions
-        if excess <= 0:
+        over = self.held_bytes - self.limits.max_bytes
+        if excess <= 0 and over <= 0:
             return
         victims: list[str] = []
+        newest = next(reversed(self._sessions), None)  # the one just opened stays: its request is about to run
         for session in self._sessions.values():
-            if len(victims) == excess:
+            if len(victims) >= excess and over <= 0:
                 break
-            if not session.in_flight:
+            if not session.in_flight and session.id != newest:
                 victims.append(session.id)
+                over -= self._sizes.get(session.id, 0)
         self._drop(victims)
 
     def evict_idle(self, now: float | None = None) -> int:
@@ -335,8 +363,12 @@ class SessionRegistry:
     def _drop(self, victims: list[str]) -> None:
         """Forget these sessions in memory (the store keeps them)."""
         for session_id in victims:
-            del self._sessions[session_id]
+            self._forget(session_id)
         self.evicted += len(victims)
+
+    def _forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.held_bytes -= self._sizes.pop(session_id, 0)
 
     def _arm_evictions(self) -> None:
         """Look for idle sessions every `evict_every` seconds, on the loop that serves them."""

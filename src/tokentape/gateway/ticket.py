@@ -128,6 +128,12 @@ class Ticket:
             session.claims[self.key] = self._claim
             session.latest[self.key] = self.request
         session.check_open()
+        if self.sessions.over_budget():  # the running sessions alone hold the budget: wait, never OOM
+            raise Overloaded(
+                f"the sessions in memory hold {self.sessions.held_bytes:,} bytes, past the budget of "
+                f"{self.sessions.limits.max_bytes:,} (tokentape serve --max-memory-bytes); retry shortly",
+                retry_after=5.0,
+            )
         self.admission.take()
         self._admitted = True
         session.in_flight += 1

@@ -12,10 +12,18 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from tokentape.core.bounded import BoundedCache
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
 from tokentape.engines.remote.updates import Need, UpdatableRemote
-from tokentape.engines.remote.vllm_images import RENDER_ROUTE, RenderCache, features, render_body, rendered_image
+from tokentape.engines.remote.vllm_images import (
+    RENDER_ROUTE,
+    RenderedImage,
+    features,
+    render_body,
+    render_cache,
+    rendered_image,
+)
 from tokentape.engines.remote.wire import (
     best_first,
     listed,
@@ -232,8 +240,8 @@ class VLLMGenerateEngine(VLLMEngine):
         return {"features": features(prompt, images, renders)}
 
     @functools.cached_property
-    def _renders(self) -> RenderCache:
-        return RenderCache()
+    def _renders(self) -> BoundedCache[str, RenderedImage]:
+        return render_cache()
 
     def _body(
         self,

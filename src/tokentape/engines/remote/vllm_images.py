@@ -12,19 +12,19 @@ see another prompt than the one recorded, and the generation is refused before i
 from __future__ import annotations
 
 import base64
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokentape.core.bounded import BoundedCache
 from tokentape.engines.base import PromptImage
 from tokentape.engines.remote.wire import listed, quote
 from tokentape.errors import EngineProtocolError
 
-__all__ = ["RENDER_ROUTE", "RenderedImage", "RenderCache", "features", "render_body", "rendered_image"]
+__all__ = ["RENDER_ROUTE", "RenderedImage", "features", "render_body", "render_cache", "rendered_image"]
 
 RENDER_ROUTE = "/v1/chat/completions/render"
-RENDERS_KEPT = 1024
+RENDERS_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,23 +64,14 @@ def rendered_image(answer: object) -> RenderedImage:
     return RenderedImage(str(hashes[0]), tuple(tokens[offset - 1 : offset + length + 1]), kwargs[0])
 
 
-class RenderCache:
-    """Render answers by image digest (least recently used dropped first)."""
+def render_cache(max_bytes: int = RENDERS_MAX_BYTES) -> BoundedCache[str, RenderedImage]:
+    """Render answers by image digest, bounded by the bytes of their serialised tensors (a 1280x800
+    screenshot's are megabytes: 1,024 of them were gigabytes)."""
+    return BoundedCache(max_bytes, _render_size)
 
-    def __init__(self, size: int = RENDERS_KEPT) -> None:
-        self.size = size
-        self._items: OrderedDict[str, RenderedImage] = OrderedDict()
 
-    def get(self, digest: str) -> RenderedImage | None:
-        item = self._items.get(digest)
-        if item is not None:
-            self._items.move_to_end(digest)
-        return item
-
-    def put(self, digest: str, item: RenderedImage) -> None:
-        self._items[digest] = item
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+def _render_size(render: RenderedImage) -> int:
+    return len(render.kwargs_data or "") + 8 * len(render.run) + len(render.mm_hash) + 200
 
 
 def features(prompt: Sequence[int], images: Sequence[PromptImage], renders: Sequence[RenderedImage]) -> dict[str, Any]:

@@ -17,13 +17,12 @@ import binascii
 import hashlib
 import io
 import ipaddress
-import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tokentape.core.bounded import BoundedCache
 from tokentape.core.images import IMAGE_PART, DecodedImage
 from tokentape.errors import InvalidRequest
 from tokentape.server.image_urls import FetchRules
@@ -127,14 +126,15 @@ class ImageIntake:
                     param=where,
                     code="too_many_images",
                 )
-            known = _checked.get(digest, raw)
+            facts = _checked.get(digest)
+            known = None if facts is None else DecodedImage(digest, raw, *facts)
             fits = known is not None and known.width * known.height <= self.limits.max_pixels
             self.images[digest] = known if known is not None and fits else self._decode(raw, digest, where)
         return {"type": IMAGE_PART, IMAGE_PART: digest}
 
     def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
         image = self._decoded(raw, digest, where)
-        _checked.put(image)
+        _checked.put(digest, (image.media_type, image.width, image.height))
         return image
 
     def _decoded(self, raw: bytes, digest: str, where: str) -> DecodedImage:
@@ -208,31 +208,10 @@ class LazyIntake:
         return None if self._intake is None else self._intake.images
 
 
-class _Checked:
-    """Images decoded lately, by digest: agents send their whole history each turn, and a screenshot
-    checked once need not be decoded again (its bytes are the ones hashed, so the digest vouches)."""
-
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._facts: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # digest -> type, width, height
-        self._lock = threading.Lock()
-
-    def get(self, digest: str, raw: bytes) -> DecodedImage | None:
-        with self._lock:
-            facts = self._facts.get(digest)
-            if facts is None:
-                return None
-            self._facts.move_to_end(digest)
-        return DecodedImage(digest, raw, *facts)
-
-    def put(self, image: DecodedImage) -> None:
-        with self._lock:
-            self._facts[image.digest] = (image.media_type, image.width, image.height)
-            while len(self._facts) > self.size:
-                self._facts.popitem(last=False)
-
-
-_checked = _Checked()
+# Images decoded lately, by digest: agents send their whole history each turn, and a screenshot checked
+# once need not be decoded again (its bytes are the ones hashed, so the digest vouches). Only the facts
+# are kept (type, width, height), never the bytes.
+_checked: BoundedCache[str, tuple[str, int, int]] = BoundedCache(1 << 20, lambda _: 128, max_items=4096)
 
 
 def _may_be_an_image(media_type: Any) -> bool:

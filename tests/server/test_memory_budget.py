@@ -1,0 +1,105 @@
+"""Memory is bounded in bytes, not only in sessions: past the budget the least recently used sessions
+leave memory (their turns stay in the store and come back on use), a finished session leaves once it
+is written, and when the running sessions alone hold the budget a new request gets 429 with
+Retry-After instead of the process growing. A scripted engine answers, so sizes are exact."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tokentape.core.session import BYTES_PER_TOKEN
+from tokentape.engines.scripted import ScriptedEngine
+from tokentape.gateway.service import Gateway
+from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
+from tokentape.render.renderer import Renderer
+from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
+
+
+async def _open(
+    renderer: Renderer, tmp_path: Path, max_bytes: int
+) -> tuple[Gateway, SessionRegistry, httpx.AsyncClient]:
+    end = renderer.tokenizer.encode("<|im_end|>")[0]
+    engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), end)
+    registry = SessionRegistry(store=SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=max_bytes))
+    gateway = Gateway(engine, renderer, registry)
+    await gateway.start()
+    app = create_app(gateway, model_id=MODEL_NAME)
+    return gateway, registry, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
+def _turn(text: str) -> dict[str, object]:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+
+
+@pytest.fixture
+async def small(
+    renderer: Renderer, tmp_path: Path
+) -> AsyncIterator[tuple[Gateway, SessionRegistry, httpx.AsyncClient]]:
+    """A budget of about three one-turn sessions."""
+    gateway, registry, http = await _open(renderer, tmp_path, 0)
+    async with http:
+        assert (await http.post("/sessions/probe/v1/chat/completions", json=_turn("Hello there"))).is_success
+        one = registry.held_bytes  # what one such session holds, as counted
+        assert one >= BYTES_PER_TOKEN * 10
+        registry.limits = MemoryLimits(max_bytes=3 * one + one // 2)
+        yield gateway, registry, http
+    await gateway.aclose()
+
+
+async def test_past_the_budget_the_least_recent_leave_memory_and_come_back(
+    small: tuple[Gateway, SessionRegistry, httpx.AsyncClient],
+) -> None:
+    _, registry, http = small
+    for n in range(8):
+        answer = await http.post(f"/sessions/s{n}/v1/chat/completions", json=_turn("Hello there"))
+        assert answer.status_code == 200, answer.text
+        assert registry.held_bytes <= registry.limits.max_bytes
+    assert len(registry) <= 3
+    assert registry.in_memory("s0") is None and registry.in_memory("s7") is not None
+    # what left memory is whole in the store: the session extends from where it was
+    export = (await http.get("/sessions/s0/export")).json()
+    (branch,) = export["branches"]
+    follow = {**_turn("Hello there"), "messages": [{"role": "user", "content": "Hello there"}]}
+    follow["messages"] += [{"role": "assistant", "content": "Fine, thanks."}, {"role": "user", "content": "More?"}]
+    assert (await http.post("/sessions/s0/v1/chat/completions", json=follow)).status_code == 200
+    (longer,) = (await http.get("/sessions/s0/export")).json()["branches"]
+    assert longer["tokens"][: len(branch["tokens"])] == branch["tokens"]
+    assert registry.held_bytes <= registry.limits.max_bytes
+
+
+async def test_a_finished_session_leaves_memory_once_written(
+    small: tuple[Gateway, SessionRegistry, httpx.AsyncClient],
+) -> None:
+    _, registry, http = small
+    await http.post("/sessions/done/v1/chat/completions", json=_turn("Hello there"))
+    assert registry.in_memory("done") is not None
+    finished = await http.post("/sessions/done/finish", json={"metadata": {"task": "t1"}})
+    assert finished.status_code == 200, finished.text
+    assert registry.in_memory("done") is None
+    export = (await http.get("/sessions/done/export")).json()  # served from the store
+    assert export["summary"]["finished"] is True and export["summary"]["metadata"] == {"task": "t1"}
+    assert len(export["branches"]) == 1
+
+
+async def test_when_running_sessions_hold_the_budget_new_work_waits(
+    small: tuple[Gateway, SessionRegistry, httpx.AsyncClient],
+) -> None:
+    _, registry, http = small
+    await http.post("/sessions/busy/v1/chat/completions", json=_turn("Hello there"))
+    busy = registry.in_memory("busy")
+    assert busy is not None
+    busy.in_flight += 1  # as if its next request were running: it cannot leave memory
+    registry.limits = MemoryLimits(max_bytes=1)
+    refused = await http.post("/sessions/other/v1/chat/completions", json=_turn("Hello there"))
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert "budget" in refused.json()["error"]["message"]
+    assert (await http.get("/sessions/other/export")).status_code == 404  # nothing recorded
+    busy.in_flight -= 1
+    registry.limits = MemoryLimits()
+    assert (await http.post("/sessions/other/v1/chat/completions", json=_turn("Hello there"))).status_code == 200
