@@ -305,6 +305,27 @@ async def test_step_wise_rows_are_the_turns_and_skyrl_gives_each_rollout_one_adv
     assert not advantages[[r for r in range(n) if r not in group]].any()
 
 
+async def test_step_wise_rows_hold_every_turn_of_siblings_and_a_compacted_history_once(
+    engine: LlamaCppEngine, skyrl_tokenizer: Any
+) -> None:
+    """n=2 drafts (two calls, one prompt), a follow-up on the second, then a compacted history: four
+    turns on three branches, four rows; SkyRL's prefix merge makes three sequences of them."""
+    cfg = _config(step_wise_trajectories=True, n_samples_per_prompt=1)
+    client = RecordingClient(engine)
+    generator = _generator(cfg, client, skyrl_tokenizer, "verl_agents:sibling_and_compacting_agent")
+    batch, _ = _input(cfg, QUESTIONS[1:2])
+    out = await generator.generate(batch)
+    validate_generator_output(1, out, step_wise=True)
+    calls = client.calls
+    assert len(calls) == 4 and calls[0].prompt_ids == calls[1].prompt_ids  # n=2 as two calls
+    rows = [(p, r) for p, r in zip(out["prompt_token_ids"], out["response_ids"], strict=True)]
+    assert sorted(rows) == sorted((c.prompt_ids, c.tokens) for c in calls)  # every turn once
+    assert rows[2:] == [(c.prompt_ids, c.tokens) for c in calls[2:]]  # the follow-up, then the compacted turn
+    assert out["is_last_step"] == [False, False, False, True]
+    merged = merge_stepwise_output(out)
+    assert len(merged["response_ids"]) == 3 and merged["is_last_step"] == [False, False, True]
+
+
 async def test_a_weight_sync_between_turns_and_inside_a_call_labels_each_token(
     engine: LlamaCppEngine, tokenizer: GGUFTokenizer, skyrl_tokenizer: Any
 ) -> None:

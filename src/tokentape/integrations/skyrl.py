@@ -1,6 +1,6 @@
 """SkyRL's generator on tokentape: any agent trains through SkyRL, every token from SkyRL's servers.
 
-    uv run --isolated --extra fsdp -m skyrl.train.entrypoints.main_base \\
+    python -m skyrl.train.entrypoints.main_base \\
         trainer.override_entrypoint=tokentape.integrations.skyrl_main \\
         tokentape.agent=my_pkg.agents:solve  ...the usual SkyRL keys
 
@@ -297,8 +297,9 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
                 with contextlib.suppress(Exception):
                     await finish(session_id)
         rows = await self._rows(gateway, episode, messages)
-        with contextlib.suppress(TokentapeError):
-            await gateway.gateway.sessions.delete(session_id)  # exported: nothing needs it in memory
+        if self.store == ":memory:":  # exported: nothing needs it any more (a store file keeps it)
+            with contextlib.suppress(TokentapeError):
+                await gateway.gateway.sessions.delete(session_id)
         reward = 0.0 if episode.reward is None else episode.reward
         return _Trajectory(rows, reward, episode.status, session_id, time.monotonic() - started, episode.error)
 
