@@ -345,9 +345,12 @@ async def test_a_failing_agent_and_a_refused_request_end_their_episodes_untraine
     for i in range(2):
         calls = episodes[out.non_tensor_batch["tokentape_session_id"][i]]
         assert len(calls) == 1  # the refused request reached no server
-        prompt, response, mask, _ = _row(out, i)
+        prompt, response, mask, logprobs = _row(out, i)
         want = _expected(calls, config.actor_rollout_ref.rollout.response_length)
         assert (prompt, response) == (want.prompt, want.response) and mask == [0] * len(response)
+        assert logprobs == [0.0] * len(response)  # off the loss: no logprob, no version for staleness
+        assert list(out.non_tensor_batch["tokentape_versions"][i]) == [-1] * len(response)
+        assert out.non_tensor_batch["min_global_steps"][i] is None
         assert out.batch["rm_scores"][i][len(response) - 1] == -0.5
 
 

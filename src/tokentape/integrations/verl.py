@@ -46,8 +46,9 @@ An episode never raises out of `run`; it ends with `tokentape_status`:
   `overflow_reward`;
 - `error` (the agent raised; the error in `tokentape_error`), `refused` (the gateway refused a
   request: its code in `tokentape_error`) and `engine_error` (`server_manager.generate` itself
-  failed, a dead server or actor): the branch so far with `response_mask` all 0, rewarded
-  `error_reward`, so it adds nothing to the loss (`tokentape.integrations.inprocess`).
+  failed, a dead server or actor): the branch so far with `response_mask` all 0 (logprobs 0.0,
+  versions -1, no `min/max_global_steps`), rewarded `error_reward`, so it adds nothing to the loss
+  (`tokentape.integrations.inprocess`).
 When no turn was recorded the sample is the prompt as the gateway renders it (left-truncated to
 `prompt_length`, as verl caps prompts) and a one-token response (the end-of-sequence token) under
 mask 0, which verl pads like any other and trains nothing on.
@@ -63,7 +64,7 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,12 +265,14 @@ class TokentapeAgentLoop(AgentLoopBase):
         logprobs: bool,
     ) -> AgentLoopOutput:
         sample = verl_sample(branch, prompt_length=self.prompt_length, response_length=self.response_length)
-        trained = ending["tokentape_status"] in TRAINED
+        if ending["tokentape_status"] not in TRAINED:  # off the loss: no logprob, no version (staleness skips it)
+            n = len(sample.response_ids)
+            sample = replace(sample, response_mask=[0] * n, response_logprobs=[0.0] * n, versions=[-1] * n)
         low, high = sample.global_steps
         return AgentLoopOutput(
             prompt_ids=sample.prompt_ids,
             response_ids=sample.response_ids,
-            response_mask=sample.response_mask if trained else [0] * len(sample.response_mask),
+            response_mask=sample.response_mask,
             response_logprobs=sample.response_logprobs if logprobs else None,
             reward_score=reward,
             num_turns=2 * len(branch["turn_ids"]),
