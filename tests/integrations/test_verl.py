@@ -354,6 +354,24 @@ async def test_a_failing_agent_and_a_refused_request_end_their_episodes_untraine
         assert out.batch["rm_scores"][i][len(response) - 1] == -0.5
 
 
+async def test_a_dead_server_ends_its_episode_engine_error_or_fails_the_step_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: LlamaCppEngine, verl_tokenizer: Any
+) -> None:
+    def script(servers: EmbeddedServers, request_id: str, prompt_ids: list[int]) -> Any:
+        raise ConnectionError("the Ray actor died")
+
+    config = _config()
+    worker = _worker(config, EmbeddedServers(engine, script=script), verl_tokenizer)
+    batch = _batch(tmp_path, verl_tokenizer, config, QUESTIONS[:1])
+    out = await _generate(monkeypatch, worker, batch, "two_turn_agent", error_reward=-0.5)
+    assert out.non_tensor_batch["tokentape_status"][0] == "engine_error"
+    assert out.non_tensor_batch["tokentape_error"][0] == "engine_error"
+    _, response, mask, _ = _row(out, 0)
+    assert mask == [0] * len(response) and out.batch["rm_scores"][0][len(response) - 1] == -0.5
+    with pytest.raises(RuntimeError, match=r"server_manager\.generate failed"):
+        await _generate(monkeypatch, worker, batch, "two_turn_agent", fail_on_engine_error=True)
+
+
 async def test_every_branch_is_its_own_output_for_the_transfer_queue_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: LlamaCppEngine, verl_tokenizer: Any
 ) -> None:

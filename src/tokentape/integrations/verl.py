@@ -174,8 +174,9 @@ async def worker_gateway(
 class TokentapeAgentLoop(AgentLoopBase):
     """verl's `AgentLoopBase` running a tokentape agent; YAML keys beyond `agent` are optional:
     `tokenizer_dir` (default: the tokenizer's own directory), `rewrite_policy` (tape, fork, strict),
-    `overflow_reward`, `error_reward` (0.0), `all_branches` (false), `store` (a SQLite path to keep
-    every tape; default in memory, each session dropped once its episode is exported)."""
+    `overflow_reward`, `error_reward` (0.0), `all_branches` (false), `fail_on_engine_error` (false: an
+    `engine_error` episode is an untrained sample; true: it fails verl's step), `store` (a SQLite path
+    to keep every tape; default in memory, each session dropped once its episode is exported)."""
 
     def __init__(
         self,
@@ -193,6 +194,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         error_reward: float = 0.0,
         all_branches: bool = False,
         store: str = ":memory:",
+        fail_on_engine_error: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("tools", None)  # verl's tool list: the agent brings its own tools
@@ -203,6 +205,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         self.rewrite_policy = rewrite_policy
         self.overflow_reward, self.error_reward = float(overflow_reward), float(error_reward)
         self.all_branches = bool(all_branches)
+        self.fail_on_engine_error = bool(fail_on_engine_error)
         self.store = store
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
@@ -254,6 +257,8 @@ class TokentapeAgentLoop(AgentLoopBase):
         if not worker.keeps_sessions:
             with contextlib.suppress(TokentapeError):
                 await gateway.gateway.sessions.delete(session_id)
+        if status == "engine_error" and self.fail_on_engine_error:  # as verl's own loops fail the step
+            raise RuntimeError(f"verl's server_manager.generate failed under episode {session_id}: {error}")
         return outputs if self.all_branches else outputs[-1]
 
     def _output(
