@@ -245,8 +245,9 @@ FORMATS: dict[str, dict[str, Field]] = {
 
 
 def field_of(fmt: str, name: str) -> Field | None:
-    """A trainer format's field: its own entry, else the shared head's (every format but Atropos)."""
-    own = FORMATS[fmt]
+    """A trainer format's field: its own entry, else the shared head's (every format but Atropos);
+    None for a field, or a format, this table does not describe."""
+    own = FORMATS.get(fmt, {})
     if name in own:
         return own[name]
     return None if fmt == "atropos" else HEAD.get(name)

@@ -48,8 +48,17 @@ def _param_row(param: Any, ctx: Any) -> str:
     if param.multiple:
         kind += ", repeatable"
     default = param.default
-    shown = "" if default is None or default == () or default is False or callable(default) else f"`{default}`"
+    if getattr(param, "is_flag", False) and isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif param.required:
+        shown = "required"
+    elif default is None or default == () or callable(default):
+        shown = "none"
+    else:
+        shown = f"`{default}`"
     help_text = getattr(param, "help", None) or ""
+    if not help_text.strip():
+        raise Undocumented(f"{ctx.info_name}: {'/'.join(param.opts) or param.name} has no help text")
     envvar = param.envvar
     if envvar:
         help_text += f" (env: `{envvar if isinstance(envvar, str) else ', '.join(envvar)}`)"
@@ -133,7 +142,8 @@ def _description(path: str, route: Any, dialect: type | None) -> str:
 
 
 def _request(route: Any) -> str:
-    """What a route reads: its JSON body's model (as declared to the schema) and its query parameters."""
+    """What a route reads: its JSON body's model (as declared to the schema) and its query parameters;
+    for a POST that declares no model, the JSON body its line describes."""
     parts = []
     extra = getattr(route, "openapi_extra", None) or {}
     body = extra.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
@@ -143,7 +153,9 @@ def _request(route: Any) -> str:
     query = [param.name for param in getattr(dependant, "query_params", [])]
     if query:
         parts.append("query " + ", ".join(f"`{name}`" for name in query))
-    return "; ".join(parts)
+    if parts:
+        return "; ".join(parts)
+    return "JSON body, if any: see its line" if "POST" in (getattr(route, "methods", None) or ()) else "nothing"
 
 
 def _access(path: str) -> str:
@@ -195,7 +207,7 @@ def routes_markdown(routes: Iterable[Any], dialects: Sequence[type], schema_path
             "[Connect an agent](../guides/connect.md).",
             "",
             "- **reads**: the JSON body's model, as the OpenAPI schema declares it, and the query parameters.",
-            "  Routes that list no body model read the fields their line names.",
+            "  A POST that declares no model reads the JSON fields its line names.",
             "- **who may call**: once the gateway has a trainer key (`--api-key`). Without one (open mode:",
             "  loopback, or `--insecure-open`) every route is open. With `--session-keys required`, generation",
             "  takes the session's key, not a trainer key. More: [Secure a deployment](../guides/security.md).",
@@ -407,8 +419,13 @@ def export_markdown(
             _stale(table.HEAD, row, "every format's head", problems)
     unknown = set(table.FORMATS) - set(rows)
     problems += [f"format {fmt!r} is declared in docs/hooks/export_fields.py but not exported" for fmt in unknown]
+    missing = set(rows) - set(table.FORMATS)
+    problems += [f"format {fmt!r} has no table in docs/hooks/export_fields.py FORMATS" for fmt in missing]
     if problems:
-        raise Undocumented("export fields the reference cannot describe: " + "; ".join(problems))
+        raise Undocumented(
+            "export fields the reference cannot describe (give each a (type, per, meaning) entry in "
+            "docs/hooks/export_fields.py): " + "; ".join(problems)
+        )
     return "\n".join(lines)
 
 

@@ -50,11 +50,30 @@ def test_every_verb_and_option_of_the_cli_is_on_the_page(hook: ModuleType) -> No
         assert set(OPTION.findall(section)) - {"--help"} == _help_options(verb), verb
 
 
+def test_an_option_without_help_stops_the_build(hook: ModuleType) -> None:
+    app = typer.Typer()
+
+    @app.command()
+    def serve(port: int = 8000, quiet: bool = False) -> None:
+        """Serve."""
+
+    @app.command()
+    def other() -> None:
+        """Another verb, so that the app is a group."""
+
+    try:
+        hook.cli_markdown(typer.main.get_command(app))
+    except hook.Undocumented as exc:
+        assert "--port" in str(exc)
+    else:
+        raise AssertionError("an option without help was let through")
+
+
 def test_a_new_verb_and_option_appear_without_a_hand_edit(hook: ModuleType) -> None:
     app = typer.Typer()
 
     @app.command()
-    def serve(port: int = 8000) -> None:
+    def serve(port: Annotated[int, typer.Option(help="Port.")] = 8000) -> None:
         """Serve."""
 
     @app.command()

@@ -41,6 +41,16 @@ def test_the_generated_reference_is_in_the_site(site: Path) -> None:
     assert "InProcessGateway" in (site / "reference/python/index.html").read_text()  # mkdocstrings ran
 
 
+def test_no_cell_of_a_generated_reference_page_is_empty(site: Path) -> None:
+    """What a reader sees: every table cell of the CLI, HTTP routes and export pages holds something."""
+    for page in ("reference/cli", "reference/http", "reference/export"):
+        html = (site / page / "index.html").read_text()
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", html, re.S)
+        assert len(cells) > 50, page
+        empty = [i for i, cell in enumerate(cells) if not re.sub(r"<[^>]+>", "", cell).strip()]
+        assert not empty, (page, empty[:5])
+
+
 def test_train_with_trl_is_two_clicks_from_the_home_page(site: Path) -> None:
     home = (site / "index.html").read_text()
     assert re.search(r'href="guides/trl/"', home)  # one click from the home page's cards
