@@ -26,7 +26,10 @@ from typing import Any
 
 
 def _cell(text: object) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text for one table cell, on one line. A pipe is escaped outside code spans only: the tables
+    extension does not split a cell inside backticks, and would show the escape there."""
+    parts = " ".join(str(text).split()).split("`")
+    return "`".join(part if i % 2 else part.replace("|", "\\|") for i, part in enumerate(parts))
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
@@ -170,34 +173,44 @@ def _access(path: str) -> str:
     return "trainer key"
 
 
+SESSION_BASE = "/sessions/{session_id}"  # a session's base URL: the root's routes again, inside one session
+
+
 def routes_markdown(routes: Iterable[Any], dialects: Sequence[type], schema_paths: Iterable[str]) -> str:
     """The route table of an app: `routes` are its starlette routes, `dialects` the registry's classes
     (a route at a dialect's path, or under a session's base URL, is that dialect's), `schema_paths` the
     paths its OpenAPI schema lists. A route without a description raises `Undocumented`."""
     in_schema = set(schema_paths)
     by_path = {d.path: d for d in dialects}
-    rows, missing = [], []
+    listed = []
     for path, route in _flat(routes):
         methods = sorted((getattr(route, "methods", None) or set()) - {"HEAD"})
-        if not path or not methods:
-            continue
-        shown = path.replace("{session_id:session}", "{session_id}")
+        if path and methods:
+            listed.append((" ".join(methods), path, path.replace("{session_id:session}", "{session_id}"), route))
+    at_root = {(methods, shown) for methods, _, shown, _ in listed}
+    rows, missing = [], []
+    for methods, path, shown, route in listed:
         dialect = next((d for p, d in by_path.items() if shown == p or shown.endswith("}" + p)), None)
         what = _description(shown, route, dialect)
         if not what:
             where = dialect.__qualname__ if dialect is not None else getattr(route.endpoint, "__qualname__", "?")
-            missing.append(f"{' '.join(methods)} {shown} ({where})")
+            missing.append(f"{methods} {shown} ({where})")
+        rest = shown.removeprefix(SESSION_BASE)
+        if what and rest != shown and (methods, rest) in at_root:  # the same route under a session's base URL
+            what = f"As `{rest}`, inside the session the path names."
         schema = "yes" if path in in_schema or shown in in_schema else "no"
-        rows.append(
-            f"| {' '.join(methods)} | `{shown}` | {_cell(what)} | {_cell(_request(route))} | {_access(shown)} "
-            f"| {schema} |"
-        )
+        reads, who = _cell(_request(route)), _access(shown)
+        rows.append(f"| {methods} | `{shown}` | {_cell(what)} | {reads} | {who} | {schema} |")
     if missing:
         raise Undocumented(
             "routes without a description (give the handler, or the dialect class, a docstring): " + "; ".join(missing)
         )
     return "\n".join(
         [
+            "---",
+            "hide: [toc]",
+            "---",
+            "",
             "# HTTP routes",
             "",
             "Written at build time from the app's own routes (`server.app.create_app`), the dialect",
