@@ -70,3 +70,20 @@ def test_systemd_reads_the_unit(tmp_path: Path) -> None:
     done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     problems = [line for line in done.stderr.splitlines() if "tokentape.service" in line]
     assert not problems, done.stderr
+
+
+def test_the_image_build_context_holds_what_the_wheel_is_built_from() -> None:
+    """The Dockerfile copies, and .dockerignore lets through, every file pyproject.toml builds from."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {project["readme"], *project["license-files"], "pyproject.toml", "src"}
+    kept = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert needed <= kept, needed - kept
+    copied = {
+        word.rstrip("/")
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+        for word in line.split()[1:-1]
+    }
+    assert needed <= copied, needed - copied
