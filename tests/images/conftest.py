@@ -91,10 +91,12 @@ class Oracle:
         t, h, w = self.grid(data)
         return t * h * w // self.processor.merge_size**2
 
-    def ids(self, messages: Sequence[dict[str, Any]], images: Sequence[bytes]) -> list[int]:
+    def ids(self, messages: Sequence[dict[str, Any]], images: Sequence[bytes], **template_kwargs: Any) -> list[int]:
         """`messages` in transformers' form (image parts `{"type": "image"}`), `images` in the order
-        their parts appear."""
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        their parts appear; `template_kwargs` as `chat_template_kwargs`."""
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
         pieces = text.split(IMAGE_PAD)
         assert len(pieces) == len(images) + 1, "one placeholder per image"
         expanded = pieces[0] + "".join(

@@ -92,8 +92,15 @@ class Planner:
         expand: images.Expansion | None = None,
     ) -> Plan:
         node = decision.node
+        whole = self.renderer.renders_whole(call.messages, call.options)
+        if whole is None:  # the first bridge under these settings probes the template (tens of ms)
+            size = INLINE_RENDER_CHARS
+        elif whole:  # a template with state across messages renders the whole conversation
+            size = _text_size(call.messages)
+        else:  # the anchor
+            size = _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]])
         bridge = await _render(
-            _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]]),  # the anchor
+            size,
             self.renderer.bridge,
             call.messages,
             decision.new_from - 1,

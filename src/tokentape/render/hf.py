@@ -61,14 +61,18 @@ class HFTokenizer:
         self.end_of_turn_ids = frozenset(t for t in {*named, *end_of_turn} if t is not None)
         # the decoder's repr names nested decoders too; serialising the whole tokenizer costs a second
         self._byte_level = "ByteLevel" in repr(tokenizer.decoder)
+        self._plain: tokenizers.Tokenizer | None = None  # `encode_plain`'s copy
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def encode_plain(self, text: str) -> list[int]:
-        plain = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())  # a copy: the flag is the tokenizer's own
-        plain.encode_special_tokens = True
+        plain = self._plain
+        if plain is None:  # a copy, made once (about a second for a large vocabulary): the flag is the tokenizer's own
+            plain = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
         ids: list[int] = plain.encode(text, add_special_tokens=False).ids
         return ids
 

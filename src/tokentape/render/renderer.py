@@ -2,9 +2,10 @@
 
 The bridge is rendered in a small anchored context (the system message, the conversation from the
 last user message up to the reply, the reply with a sentinel as its content) so its cost does not
-grow with the history. What the template renders after that reply is the new messages and the
-generation prompt, exactly as in the full conversation; in front goes the part of the turn close the
-engine did not sample.
+grow with the history, where the anchor probe (`probe`) found the template renders the same from
+there under the request's settings; else from the first message. What the template renders after
+that reply is the new messages and the generation prompt, exactly as in the full conversation; in
+front goes the part of the turn close the engine did not sample.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after_reply, turn_close_after
+from tokentape.core.images import has_images
 from tokentape.core.messages import Message, same_inputs, template_inputs
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
+from tokentape.render.probe import AnchorVerdict, AnchorVerdicts, ProbeOptions, anchor
 from tokentape.render.quoting import QuotedSpecials
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
@@ -96,6 +99,7 @@ class Bridge:
     template_rewrite: bool  # the recorded history renders differently once the new request follows
     opens_reasoning: bool
     detail: str = ""  # why it is a rewrite
+    whole: bool = False  # rendered from the first message, not from the anchor
 
 
 class Renderer:
@@ -114,8 +118,22 @@ class Renderer:
         self.arguments_as_objects = self._takes_object_arguments()
         self.turn_close = self._derive_turn_close()
         # Templates that carry state across messages (DeepSeek-R1 opens its tool outputs once per
-        # conversation) need bridges rendered from the first message; Jinja is cheap beside tokenizing.
-        self.anchor_safe, self.anchor_difference = self._probe_anchor()
+        # conversation; Qwen2-VL numbers images under `add_vision_id`) need bridges rendered from the
+        # first message; Jinja is cheap beside tokenizing. Learned per template setting (`probe`).
+        self._verdicts = AnchorVerdicts(self._bridge_text)
+        default = self._verdicts.get(None, images=False)
+        self.anchor_safe, self.anchor_difference = default.safe, default.difference
+
+    def anchor_verdict(self, options: RenderOptions, images: bool) -> AnchorVerdict:
+        """Whether bridges under `options` (and with image parts, if `images`) may be rendered from
+        the anchor; probed the first time a setting is seen."""
+        return self._verdicts.get(options.template_kwargs, images)
+
+    def renders_whole(self, messages: Sequence[Message], options: RenderOptions) -> bool | None:
+        """Whether a bridge for `messages` renders the whole conversation (None: not known until
+        the probe for this setting has run)."""
+        verdict = self._verdicts.known(options.template_kwargs, has_images(messages))
+        return None if verdict is None else not verdict.safe
 
     @property
     def vision(self) -> VisionProcessor | None:
@@ -186,13 +204,14 @@ class Renderer:
         `recorded` the options the recorded history was rendered with (default: `options`).
 
         The bridge is the template's rendering of the whole request cut right after the reply's turn
-        close. It is rendered from the anchor when this template renders the same from there
-        (`anchor_safe`), from the first message otherwise, or when the options changed.
+        close. It is rendered from the anchor when the probe found this template renders the same
+        from there under these options (`anchor_verdict`), else from the first message (the whole
+        conversation, the recorded history checked as its prefix), and always when the options changed.
         """
         recorded = options if recorded is None else recorded
         changed = not same_inputs(recorded.inputs(), options.inputs())
-        from_start = changed or not self.anchor_safe
-        prefix = list(messages[:reply_index]) if from_start else _anchor(messages, reply_index)
+        from_start = changed or not self.anchor_verdict(options, has_images(messages)).safe
+        prefix = list(messages[:reply_index]) if from_start else anchor(messages, reply_index)
         new = list(messages[reply_index + 1 :])
         before = self.render_text([*prefix, reply], False, recorded)
         with_new = self.render_text([*prefix, reply, *new], True, options)
@@ -213,6 +232,7 @@ class Renderer:
             template_rewrite=rewrite,
             opens_reasoning=_opens_reasoning(with_new),
             detail=detail,
+            whole=from_start,
         )
 
     def _after_reply(
@@ -239,34 +259,8 @@ class Renderer:
             return self.turn_close, followed[len(reply_only) :]
         return self.turn_close, text_after_reply(followed, self.turn_close)
 
-    def _probe_anchor(self) -> tuple[bool, str]:
-        """Whether bridges rendered from the anchor equal those rendered from the first message, on
-        the shapes where templates carry state across messages: earlier tool rounds, several tool
-        results, reasoning, with and without a system prompt. Returns (safe, first difference)."""
-        for shape, options in _probe_shapes():
-            for index, message in enumerate(shape):
-                if message.get("role") != "assistant" or index + 1 >= len(shape):
-                    continue
-                end = next((j for j in range(index + 1, len(shape)) if shape[j].get("role") == "assistant"), len(shape))
-                messages = shape[:end]
-                try:
-                    anchored = self._bridge_text(messages, index, _anchor(messages, index), options)
-                    full = self._bridge_text(messages, index, list(messages[:index]), options)
-                except InvalidRequest:
-                    continue  # a shape this template rejects cannot reach it
-                if anchored != full:
-                    roles = ", ".join(str(m.get("role")) for m in messages)
-                    at = next((i for i, (a, b) in enumerate(zip(anchored, full, strict=False)) if a != b), 0)
-                    at = max(0, full.rfind("<", 0, at + 1))  # from the special token that differs
-                    return False, (
-                        f"after the reply at message {index} of ({roles}) the full rendering continues "
-                        f"{full[at : at + 60]!r} where one from the last user message gives {anchored[at : at + 60]!r}"
-                    )
-        return True, ""
-
-    def _bridge_text(
-        self, messages: Sequence[Message], index: int, prefix: list[Message], options: RenderOptions
-    ) -> str:
+    def _bridge_text(self, messages: Sequence[Message], index: int, prefix: list[Message], probe: ProbeOptions) -> str:
+        options = RenderOptions(tools=probe.tools, template_kwargs=probe.template_kwargs)
         reply = messages[index]
         new = list(messages[index + 1 :])
         before = self.render_text([*prefix, reply], False, options)
@@ -309,19 +303,6 @@ class Renderer:
 def _opens_reasoning(text: str) -> bool:
     tail = text.rstrip()
     return tail.endswith(THINK_OPEN)
-
-
-def _anchor(messages: Sequence[Message], reply_index: int) -> list[Message]:
-    """The messages before the reply that its rendering can depend on: from the last user message
-    (templates place reasoning and tool-response blocks relative to it) and the system message."""
-    start = reply_index
-    while start > 0 and messages[start - 1].get("role") != "user":
-        start -= 1
-    start = max(0, start - 1)
-    anchor = list(messages[start:reply_index])
-    if start > 0 and messages[0].get("role") in _ROOT_ROLES:
-        anchor.insert(0, messages[0])
-    return anchor
 
 
 def _without_reasoning(message: Message) -> dict[str, Any]:
@@ -416,61 +397,3 @@ def _what_changed(recorded: RenderOptions, options: RenderOptions) -> str:
     if not same_inputs(template_inputs(None, recorded.template_kwargs), template_inputs(None, options.template_kwargs)):
         parts.append("chat_template_kwargs")
     return " and ".join(parts) or "options"
-
-
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a word up",
-        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
-    },
-}
-
-
-def _probe_call(word: str, index: int) -> dict[str, Any]:
-    arguments = json.dumps({"word": word})
-    return {"id": f"call_{index}", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
-
-
-def _probe_shapes() -> list[tuple[list[Message], RenderOptions]]:
-    """Conversations on which a template's state across messages shows, each with its options (the
-    shapes are OpenAI messages; `prepare` gives each template its own form)."""
-    system: list[Message] = [{"role": "system", "content": "Be brief."}]
-    tools = RenderOptions(tools=[_PROBE_TOOL])
-    tool_rounds: list[Message] = [
-        {"role": "user", "content": "Look up cat."},
-        {"role": "assistant", "content": None, "tool_calls": [_probe_call("cat", 1)]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "a feline"},
-        {"role": "assistant", "content": "", "tool_calls": [_probe_call("dog", 2), _probe_call("cow", 3)]},
-        {"role": "tool", "tool_call_id": "call_2", "content": "a canine"},
-        {"role": "tool", "tool_call_id": "call_3", "content": "a bovine"},
-        {"role": "assistant", "content": "Cats, dogs and cows."},
-        {"role": "user", "content": "And a fox?"},
-        {"role": "assistant", "content": None, "tool_calls": [_probe_call("fox", 4)]},
-        {"role": "tool", "tool_call_id": "call_4", "content": "a vulpine"},
-        {"role": "assistant", "content": "A fox is a vulpine."},
-        {"role": "user", "content": "Thanks."},
-        {"role": "assistant", "content": "Bye."},
-    ]
-    reasoning: list[Message] = [
-        {"role": "user", "content": "Two plus two?"},
-        {"role": "assistant", "content": "Four.", "reasoning_content": "2+2=4."},
-        {"role": "user", "content": "Times three?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "reasoning_content": "Use the tool.",
-            "tool_calls": [_probe_call("x", 5)],
-        },
-        {"role": "tool", "tool_call_id": "call_5", "content": "12"},
-        {"role": "assistant", "content": "Twelve.", "reasoning_content": "4*3=12."},
-        {"role": "user", "content": "Ok."},
-        {"role": "assistant", "content": "Ok."},
-    ]
-    return [
-        ([*system, *tool_rounds], tools),
-        (tool_rounds, tools),
-        ([*system, *reasoning], tools),
-        (reasoning, tools),
-    ]
