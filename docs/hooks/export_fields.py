@@ -122,6 +122,12 @@ BRANCH: dict[str, Field] = {
         "sampled tokens), and `kv_version` when the KV cache was older.",
     ),
     "reward": ("float | null", "", "The branch's reward: its own if one was set, else the episode's."),
+    "loss_weight": (
+        "float",
+        "",
+        "The branch's share of its session's one vote in the loss: 1 / the session's branches, so a "
+        "session that splits into several rows counts once.",
+    ),
 }
 
 # Fields present only in some exports: shown on the page from this table, not read off the sample.
@@ -152,6 +158,13 @@ OPTIONAL: dict[str, Field] = {
 HEAD: dict[str, Field] = {
     "schema_version": SESSION["schema_version"],
     "session_id": SESSION["session_id"],
+    "rollout_id": ("str", "", "The rollout the row belongs to: its session. Advantages are computed once per rollout."),
+    "loss_weight": (
+        "float",
+        "",
+        "The row's share of its rollout's one vote (`weighting`: `rows` 1 / the rollout's rows, the default; "
+        "`tokens` its share of the rollout's sampled tokens; `none` 1.0). A rollout's rows add up to 1.",
+    ),
     "branch_id": BRANCH["branch_id"],
     "group_id": SUMMARY["group_id"],
     "reward": BRANCH["reward"],
@@ -198,6 +211,8 @@ FORMATS: dict[str, dict[str, Field]] = {
             "Each member's per-token logprobs, 1.0 where masked (Atropos's convention).",
         ),
         "scores": ("list[float | null]", "member", "Each member's reward."),
+        "rollout_ids": ("list[str]", "member", "Each member's rollout (its session)."),
+        "loss_weights": ("list[float]", "member", "Each member's share of its rollout's one vote (`loss_weight`)."),
         "policy_versions": ("list[list[str | null]]", "member", "Each member's per-turn policy labels."),
         "versions": ("list[list[int]]", "member", "Each member's per-token weights versions (-1: not sampled)."),
         "param_version_start": ("list[int | null]", "member", "Each member's oldest weights version."),
@@ -241,6 +256,36 @@ FORMATS: dict[str, dict[str, Field]] = {
         "completion_logprobs": ("list[float]", "sampled token", "The logprob of each sampled token."),
         "finish_reason": ("str", "", "Why this turn stopped: `stop`, `length`, `tool_calls` or `abort`."),
     },
+    "packed": {
+        "schema_version": SESSION["schema_version"],
+        "group_id": ("str", "", "The group packed in this row; a session without one is its own, `session:<id>`."),
+        "session_ids": ("list[str]", "session", "The sessions packed in this row."),
+        "tokens": ("list[int]", "token", "Every token of every branch once, parents before children."),
+        "parents": (
+            "list[int]",
+            "token",
+            "Each token's parent index (-1: a root). A token attends to its ancestors and itself only, and "
+            "is predicted at its parent's position.",
+        ),
+        "position_ids": ("list[int]", "token", "Each token's position on its own path (its depth)."),
+        "loss_mask": BRANCH["loss_mask"],
+        "logprobs": BRANCH["logprobs"],
+        "versions": BRANCH["versions"],
+        "loss_coefficient": (
+            "list[float]",
+            "token",
+            "The sum of the `loss_weight`s of the branches holding the token (0 off the mask): with one advantage "
+            "per rollout, the packed token-level loss equals the per-branch one.",
+        ),
+        "branch_ends": ("list[int]", "branch", "Each branch's last token: the branch is that token and its ancestors."),
+        "branch_ids": ("list[int]", "branch", "Each branch's id in its session."),
+        "rollout_ids": ("list[str]", "branch", "Each branch's rollout (its session)."),
+        "rewards": ("list[float | null]", "branch", "Each branch's reward."),
+        "loss_weights": ("list[float]", "branch", "Each branch's share of its rollout's one vote."),
+        "branch_tokens": ("int", "", "Tokens the per-branch rows would hold: what packing saved, against `tokens`."),
+        "param_version_start": ("int | null", "", "The oldest weights version of any sampled token in the row."),
+        "param_version_end": ("int | null", "", "The newest weights version of any sampled token in the row."),
+    },
 }
 
 
@@ -250,4 +295,4 @@ def field_of(fmt: str, name: str) -> Field | None:
     own = FORMATS.get(fmt, {})
     if name in own:
         return own[name]
-    return None if fmt == "atropos" else HEAD.get(name)
+    return None if fmt in ("atropos", "packed") else HEAD.get(name)

@@ -60,6 +60,9 @@ def test_every_format_carries_the_versions() -> None:
             assert row["policy_spans"] == [SPANS]
         elif fmt == "stepwise":
             assert [r["completion_versions"] for r in rows] == [[2, 2, 3, 3], [5, 5]]
+        elif fmt == "packed":  # one branch: the packed row is the branch
+            (row,) = rows
+            assert row["versions"] == EXPECTED and (row["param_version_start"], row["param_version_end"]) == (2, 5)
         else:
             (row,) = rows
             assert row["versions"] == EXPECTED, fmt

@@ -99,13 +99,20 @@ def export_branch(branch: BranchView, images: Mapping[str, DecodedImage] | None 
 
 
 def export_session(tree: SessionTree) -> dict[str, Any]:
+    """The native export of one session. Each branch's `loss_weight` is its share of the session's
+    one vote (1 / branches: `core.rollouts`, rule `rows`)."""
+    branches = tree.branches()
     return {
         "schema_version": EXPORT_SCHEMA_VERSION,
         "session_id": tree.session_id,
         "logprob_mode": common_logprob_mode(node.logprob_mode for node in tree.nodes),
         "summary": tree.summary(),
         "branches": [
-            {**export_branch(branch, tree.images), "reward": tree.outcome.branch_reward(branch.leaf.id)}
-            for branch in tree.branches()
+            {
+                **export_branch(branch, tree.images),
+                "reward": tree.outcome.branch_reward(branch.leaf.id),
+                "loss_weight": 1.0 / len(branches),
+            }
+            for branch in branches
         ],
     }

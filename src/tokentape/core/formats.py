@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch, image_fields
+from tokentape.core.packed import pack_branches
+from tokentape.core.rollouts import Weighting, loss_weights
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagWindow
 from tokentape.core.tape import BranchView
@@ -39,8 +41,8 @@ from tokentape.errors import InvalidRequest
 
 __all__ = ["FORMATS", "Format", "Sample", "samples_of", "format_rows", "check_format"]
 
-Format = Literal["tokentape", "openrlhf", "atropos", "verifiers", "stepwise"]
-FORMATS: tuple[Format, ...] = ("tokentape", "openrlhf", "atropos", "verifiers", "stepwise")
+Format = Literal["tokentape", "openrlhf", "atropos", "verifiers", "stepwise", "packed"]
+FORMATS: tuple[Format, ...] = ("tokentape", "openrlhf", "atropos", "verifiers", "stepwise", "packed")
 ATROPOS_MASKED = -100
 ATROPOS_MASKED_LOGPROB = 1.0
 
@@ -72,6 +74,7 @@ class Sample:
         return {
             "schema_version": EXPORT_SCHEMA_VERSION,
             "session_id": self.tree.session_id,
+            "rollout_id": self.tree.session_id,  # one rollout, one vote: see loss_weight
             "branch_id": self.branch.leaf.id,
             "group_id": outcome.group_id,
             "reward": self.reward,
@@ -151,7 +154,7 @@ def _stepwise(sample: Sample) -> list[dict[str, Any]]:
     return rows
 
 
-def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+def _atropos(samples: Sequence[Sample], weighting: Weighting = "rows") -> list[dict[str, Any]]:
     groups: dict[str | None, list[Sample]] = {}
     for sample in samples:
         groups.setdefault(sample.tree.outcome.group_id or f"session:{sample.tree.session_id}", []).append(sample)
@@ -173,6 +176,10 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                     [ATROPOS_MASKED_LOGPROB if lp is None else lp for lp in m.branch.logprobs] for m in members
                 ],
                 "scores": [m.reward for m in members],
+                "rollout_ids": [m.tree.session_id for m in members],
+                "loss_weights": loss_weights(
+                    [m.tree.session_id for m in members], [sum(m.branch.loss_mask) for m in members], weighting
+                ),
                 "policy_versions": [[node.policy_version for node in m.branch.nodes] for m in members],
                 "versions": [fields["versions"] for fields in versions],
                 "param_version_start": [fields["param_version_start"] for fields in versions],
@@ -184,8 +191,13 @@ def _atropos(samples: Sequence[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_rows(samples: Sequence[Sample], fmt: Format, *, lag: LagWindow | None = None) -> list[dict[str, Any]]:
-    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise) or per group (atropos).
+def format_rows(
+    samples: Sequence[Sample], fmt: Format, *, lag: LagWindow | None = None, weighting: Weighting = "rows"
+) -> list[dict[str, Any]]:
+    """Rows of a dataset in `fmt`: one per branch, per turn (stepwise), per group (atropos) or per
+    group's packed tree (packed). Every row of a rollout (a session) carries `rollout_id` and a
+    `loss_weight` by `weighting` (`core.rollouts`): by default one vote per rollout, however many
+    rows it has.
 
     `lag` (an export's max_lag): `drop` leaves out every sample with a token sampled under a version
     older than `lag.oldest`; `mask` keeps them and takes those tokens out of the loss (the formats
@@ -196,13 +208,49 @@ def format_rows(samples: Sequence[Sample], fmt: Format, *, lag: LagWindow | None
         elif fmt not in ("tokentape", "verifiers"):
             raise InvalidRequest("max_lag with mask needs a per-token mask: format tokentape or verifiers")
         else:
-            return [_masked(row, lag, fmt) for row in format_rows(samples, fmt)]
+            return [_masked(row, lag, fmt) for row in format_rows(samples, fmt, weighting=weighting)]
     if fmt == "atropos":
-        return _atropos(samples)
+        return _atropos(samples, weighting)
+    if fmt == "packed":
+        return _packed(samples, weighting)
     if fmt == "stepwise":
-        return [row for sample in samples for row in _stepwise(sample)]
-    build = {"tokentape": _tokentape, "openrlhf": _openrlhf, "verifiers": _verifiers}[fmt]
-    return [build(sample) for sample in samples]
+        rows = [row for sample in samples for row in _stepwise(sample)]
+    else:
+        build = {"tokentape": _tokentape, "openrlhf": _openrlhf, "verifiers": _verifiers}[fmt]
+        rows = [build(sample) for sample in samples]
+    sampled = [_sampled_count(row) for row in rows]
+    for row, weight in zip(rows, loss_weights([row["rollout_id"] for row in rows], sampled, weighting), strict=True):
+        row["loss_weight"] = weight
+    return rows
+
+
+def _sampled_count(row: dict[str, Any]) -> int:
+    """The sampled tokens of a row, whatever its format."""
+    if "action_ranges" in row:
+        return sum(end - start for start, end in row["action_ranges"])
+    if "completion_mask" in row:
+        return sum(row["completion_mask"])
+    return len(row["completion_ids"])  # stepwise: the turn's own tokens
+
+
+def _packed(samples: Sequence[Sample], weighting: Weighting) -> list[dict[str, Any]]:
+    """One packed row per group (a session without a group is its own): its sessions' branches as one
+    tree, every shared token once (`core.packed`)."""
+    rows = format_rows(samples, "tokentape", weighting=weighting)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row["group_id"] or f"session:{row['session_id']}", []).append(row)
+    packed = []
+    for group_id, members in groups.items():
+        packed.append(
+            {
+                "schema_version": EXPORT_SCHEMA_VERSION,
+                "group_id": group_id,
+                "session_ids": list(dict.fromkeys(m["session_id"] for m in members)),
+                **pack_branches(members),
+            }
+        )
+    return packed
 
 
 def _too_old(sample: Sample, lag: LagWindow) -> bool:

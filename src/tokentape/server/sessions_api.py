@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
 from tokentape.core.outcome import MAX_METADATA_BYTES, check_reward
+from tokentape.core.rollouts import Weighting, check_weighting
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagMode, LagWindow, lag_filter
 from tokentape.errors import InvalidRequest
@@ -127,10 +128,12 @@ def _lag(max_lag: str | None, lag_mode: str | None, current: int, fmt: str | Non
     return LagWindow(current, lag, mode)
 
 
-def _rows_response(trees: list[SessionTree], fmt_name: str, output: str, lag: LagWindow | None = None) -> Response:
+def _rows_response(
+    trees: list[SessionTree], fmt_name: str, output: str, lag: LagWindow | None = None, weighting: Weighting = "rows"
+) -> Response:
     fmt = check_format(fmt_name)
     _output(output)
-    rows = format_rows(samples_of(trees), fmt, lag=lag)
+    rows = format_rows(samples_of(trees), fmt, lag=lag, weighting=weighting)
     if output == "jsonl":
         return Response(to_jsonl_bytes(rows), media_type="application/x-ndjson")
     if output == "parquet":
@@ -257,10 +260,13 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         texts: bool = False,
         max_lag: str | None = None,
         lag_mode: str | None = None,
+        weighting: str = "rows",
     ) -> Response:
         """One session. Without `format`: the native export; `texts=true` adds each token's text.
-        `max_lag` (with `lag_mode` drop or mask) filters against the gateway's current version."""
+        `max_lag` (with `lag_mode` drop or mask) filters against the gateway's current version;
+        `weighting` (rows, tokens, none) splits the session's one vote over its rows (`loss_weight`)."""
         lag = _lag(max_lag, lag_mode, gateway.gate.version, format and check_format(format))
+        rule = check_weighting(weighting)
         tree = (await sessions.get(session_id)).tree
         if format is None:
             exported = export_session(tree)
@@ -272,7 +278,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
                 for branch in exported["branches"]:
                     branch["token_texts"] = [tokenizer.decode_all([t]) for t in branch["tokens"]]
             return json_response(exported)
-        return _rows_response([tree], format, output, lag)
+        return _rows_response([tree], format, output, lag, rule)
 
     @app.get("/view", response_class=HTMLResponse)
     async def view() -> str:
@@ -290,10 +296,12 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         prefix: str | None = None,
         max_lag: str | None = None,
         lag_mode: str | None = None,
+        weighting: str = "rows",
     ) -> Response:
-        """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise;
-        outputs: json, jsonl, parquet), filtered by group, finished state, creation time and session
-        id prefix, and by `max_lag` (`lag_mode` drop or mask) against the gateway's current version."""
+        """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise,
+        packed; outputs: json, jsonl, parquet), filtered by group, finished state, creation time and
+        session id prefix, and by `max_lag` (`lag_mode` drop or mask) against the gateway's current
+        version; `weighting` (rows, tokens, none) splits each session's one vote over its rows."""
         where = SessionFilter(
             group_id=group_id,
             finished=_flag(finished, "finished"),
@@ -303,8 +311,9 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         )
         fmt, out = check_format(format), _output(output)
         lag = _lag(max_lag, lag_mode, gateway.gate.version, fmt)
+        rule = check_weighting(weighting)
         skipped: list[StoredSession] = []
-        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped, lag=lag)
+        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped, lag=lag, weighting=rule)
         return StreamingResponse(encode_dataset(pages, fmt, out, skipped), media_type=MEDIA_TYPES[out])
 
     @app.delete("/sessions/{session_id}")

@@ -21,6 +21,7 @@ import orjson
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION
 from tokentape.core.formats import Format, format_rows, samples_of
+from tokentape.core.rollouts import Weighting
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagWindow
 from tokentape.store.scan import SessionFilter, StoredSession
@@ -39,7 +40,19 @@ Scan = Callable[[SessionFilter], AsyncIterator[StoredSession]]
 SESSIONS_PER_PAGE = 64  # sessions formatted together: bounds an export's memory
 PARQUET_TYPING_ROWS = 1024  # rows held back, at most, to learn each Parquet column's type
 _FLOAT_FIELDS = frozenset(
-    {"reward", "scores", "turn_rewards", "logprobs", "rollout_log_probs", "completion_logprobs", "inference_logprobs"}
+    {
+        "reward",
+        "scores",
+        "turn_rewards",
+        "logprobs",
+        "rollout_log_probs",
+        "completion_logprobs",
+        "inference_logprobs",
+        "loss_weight",
+        "loss_weights",
+        "loss_coefficient",
+        "rewards",
+    }
 )
 
 
@@ -52,32 +65,38 @@ async def _trees(scan: AsyncIterator[StoredSession], skipped: list[StoredSession
 
 
 async def dataset_pages(
-    scan: Scan, where: SessionFilter, fmt: Format, skipped: list[StoredSession], *, lag: LagWindow | None = None
+    scan: Scan,
+    where: SessionFilter,
+    fmt: Format,
+    skipped: list[StoredSession],
+    *,
+    lag: LagWindow | None = None,
+    weighting: Weighting = "rows",
 ) -> AsyncIterator[list[dict[str, Any]]]:
-    """The rows of a dataset, a page at a time, in the order of the sessions. Atropos rows are
-    whole groups: the first session of a group brings its whole group (read with the group's own
+    """The rows of a dataset, a page at a time, in the order of the sessions. Atropos and packed rows
+    are whole groups: the first session of a group brings its whole group (read with the group's own
     filter), so a group is never split across pages. `lag`: an export's max_lag (`format_rows`)."""
     page: list[SessionTree] = []
     emitted_groups: set[str] = set()
     async for tree in _trees(scan(where), skipped):
         group_id = tree.outcome.group_id
-        if fmt == "atropos" and group_id is not None:
+        if fmt in ("atropos", "packed") and group_id is not None:
             if group_id in emitted_groups:
                 continue
             emitted_groups.add(group_id)
             if page:
-                yield format_rows(samples_of(page), fmt, lag=lag)
+                yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
                 page = []
             group_scan = scan(dataclasses.replace(where, group_id=group_id))
             members = [member async for member in _trees(group_scan, [])]
-            yield format_rows(samples_of(members), fmt, lag=lag)
+            yield format_rows(samples_of(members), fmt, lag=lag, weighting=weighting)
             continue
         page.append(tree)
         if len(page) >= SESSIONS_PER_PAGE:
-            yield format_rows(samples_of(page), fmt, lag=lag)
+            yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
             page = []
     if page:
-        yield format_rows(samples_of(page), fmt, lag=lag)
+        yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
 
 
 def _skipped_json(skipped: list[StoredSession]) -> bytes:

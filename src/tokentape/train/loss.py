@@ -54,6 +54,7 @@ class Sample:
     reward: float
     versions: list[int | None]  # per token: the policy version that sampled it (None off the mask)
     dropped: dict[str, int] = field(default_factory=dict)  # sampled tokens left out, by reason
+    loss_weight: float = 1.0  # the branch's share of its rollout's (session's) one vote
 
 
 # Recorded only when a turn set them (`SamplingParams.reshaping`): each changes the logits before the temperature.
@@ -139,6 +140,7 @@ def samples_from_export(
                 reward=missing_reward if reward is None else float(reward),
                 versions=versions,
                 dropped=dropped,
+                loss_weight=float(branch.get("loss_weight", 1.0)),
             )
         )
     return samples
@@ -155,17 +157,24 @@ def _version_number(version: Any) -> int | None:
 
 
 def advantages(samples: Sequence[Sample], eps: float = 1e-6) -> list[float]:
-    """GRPO: each reward minus its group's mean, over the group's standard deviation (0 for a group
-    whose rewards are all equal: it teaches nothing)."""
-    groups: dict[str, list[float]] = defaultdict(list)
+    """GRPO, one vote per rollout: each rollout's (session's) reward minus its group's mean over the
+    group's rollouts, over their standard deviation (0 for a group whose rollouts all scored the same:
+    it teaches nothing). A rollout of several branches is one member of its group, its reward the
+    weighted mean of its branches'; each of its branches carries its advantage."""
+    rollouts: dict[str, tuple[str, float, float]] = {}  # session -> group, weighted reward sum, weight sum
     for s in samples:
-        groups[s.group_id].append(s.reward)
+        group, total, weights = rollouts.get(s.session_id, (s.group_id, 0.0, 0.0))
+        rollouts[s.session_id] = (group, total + s.reward * s.loss_weight, weights + s.loss_weight)
+    reward = {sid: total / weights if weights > 0 else 0.0 for sid, (_, total, weights) in rollouts.items()}
+    groups: dict[str, list[float]] = defaultdict(list)
+    for sid, (group, _, _) in rollouts.items():
+        groups[group].append(reward[sid])
     result = []
     for s in samples:
         rewards = groups[s.group_id]
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        result.append((s.reward - mean) / (std + eps) if std > 0 else 0.0)
+        result.append((reward[s.session_id] - mean) / (std + eps) if std > 0 else 0.0)
     return result
 
 
@@ -176,6 +185,7 @@ class Batch:
     mask: Any  # float [B, T]: 1 where the token at t is trained on (its logprob comes from t-1)
     engine_logprobs: Any  # float [B, T]
     advantages: Any  # float [B]
+    weights: Any = None  # float [B]: each row's loss_weight (None: 1.0 each)
 
 
 def episode_reward(export: dict[str, Any], missing_reward: float = 0.0) -> float:
@@ -210,7 +220,8 @@ def build_batch(samples: Sequence[Sample], pad_id: int = 0, advantages_: Sequenc
         engine[row, :n] = torch.tensor(s.engine_logprobs)
     mask[:, 0] = 0.0  # the first token has no context to predict it from
     given = advantages(samples) if advantages_ is None else list(advantages_)
-    return Batch(ids, attention, mask, engine, torch.tensor(given))
+    weights = torch.tensor([s.loss_weight for s in samples], dtype=torch.float32)
+    return Batch(ids, attention, mask, engine, torch.tensor(given), weights)
 
 
 def token_logprobs(model: Any, batch: Batch, temperature: float) -> Any:
@@ -222,7 +233,8 @@ def token_logprobs(model: Any, batch: Batch, temperature: float) -> Any:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.model(input_ids=batch.input_ids, attention_mask=batch.attention).last_hidden_state
     positions = batch.mask[:, 1:].bool()  # token t is predicted from position t - 1
-    logits = base.lm_head(hidden[:, :-1][positions]).float() / temperature
+    logits = base.lm_head(hidden[:, :-1][positions])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least float32
     picked = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:][positions][:, None])[:, 0]
     full = torch.zeros(positions.shape, dtype=picked.dtype).masked_scatter(positions, picked)
     return torch.nn.functional.pad(full, (1, 0))
@@ -239,7 +251,10 @@ def loss_and_metrics(trainer_logprobs: Any, batch: Batch, clip: float) -> tuple[
     log_ratio = old - batch.engine_logprobs  # trainer over engine, per sampled token
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=clip)
-    loss = -(weight * batch.advantages[:, None] * trainer_logprobs * mask).sum() / count
+    # a token-weighted mean in which each row counts by its loss_weight: a rollout of k rows, one vote
+    rows = torch.ones(mask.shape[0]) if batch.weights is None else batch.weights
+    weighted = mask * rows[:, None]
+    loss = -(weight * batch.advantages[:, None] * trainer_logprobs * weighted).sum() / weighted.sum().clamp(min=1e-12)
     difference = (old - batch.engine_logprobs).abs()[on]
     if difference.numel() == 0:
         raise ValueError("no sampled token to train on: check the loss mask")
