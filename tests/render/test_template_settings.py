@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.render.corpus import CLOSES, WEATHER
 from tests.support.models import SOURCES, VISION_SOURCES, gguf_tokenizer_dir, materialise
+from tokentape.render.probe import AnchorVerdicts
 from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.runtime import hf_renderer
 
@@ -231,3 +232,15 @@ def test_the_table_tries_every_kwarg_a_template_reads(models: dict[str, Model], 
     read = jinja2.meta.find_undeclared_variables(environment.parse(source)) - NOT_KWARGS
     tried = {key for setting in SETTINGS[family] for key in setting}
     assert read <= tried, f"{family} reads {sorted(read - tried)}: add them to SETTINGS"
+
+
+def test_settings_past_the_limit_are_not_probed_and_bridge_the_whole_conversation(models: dict[str, Model]) -> None:
+    """Kwargs an agent varies at will cost neither memory nor probing: past the limit a new setting
+    gets no verdict from a probe and its bridges render from the first message."""
+    renderer = models["qwen3"].renderer
+    verdicts = AnchorVerdicts(renderer._bridge_text, limit=2)
+    assert verdicts.get({"enable_thinking": False}, images=False).safe
+    assert verdicts.get({"enable_thinking": True}, images=False).safe
+    past = verdicts.get({"enable_thinking": True, "x": 1}, images=False)
+    assert not past.safe and "not probed" in past.difference
+    assert verdicts.known({"enable_thinking": False}, images=False) is not None  # the first two are kept
