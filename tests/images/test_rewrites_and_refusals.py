@@ -304,3 +304,18 @@ async def test_the_bytes_decide_whatever_type_is_declared(
         app.http, "declared-html", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": html}}]}]
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_image_type"
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+async def test_an_image_the_processor_refuses_is_named_by_its_part(app: App, dialect: str) -> None:
+    """A 300x1 strip decodes, but Qwen2-VL's processor takes no aspect ratio over 200: the 400 says
+    which part, before anything reaches the engine."""
+    route, body, part = wire(dialect, data_url(png(RED, (300, 1))))
+    before = len(app.engine.state.requests)
+    response = await app.http.post(route, json=body, headers={"X-Session-ID": f"strip-{dialect}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert part in error["message"] and "aspect ratio" in error["message"]
+    if dialect != "messages":  # Anthropic's error shape has no param
+        assert error["param"] == part and error["code"] == "invalid_image"
+    assert len(app.engine.state.requests) == before

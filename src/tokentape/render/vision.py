@@ -78,6 +78,21 @@ class VisionProcessor:
                 self._grids.popitem(last=False)
         return t, h, w
 
+    def refusal(self, width: int, height: int) -> str | None:
+        """Why the processor refuses an image of this size (its resize rule, e.g. Qwen2-VL's aspect
+        ratio of at most 200), or None: asked when a request is parsed, so the 400 names the part."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        size = getattr(self.processor, "size", None)
+        lowest = getattr(size, "shortest_edge", None) or 56 * 56
+        highest = getattr(size, "longest_edge", None) or 14 * 14 * 4 * 1280
+        factor = int(getattr(self.processor, "patch_size", 14) or 14) * self.merge_size
+        try:
+            smart_resize(height, width, factor=factor, min_pixels=lowest, max_pixels=highest)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def placeholders(self, grid: tuple[int, int, int]) -> int:
         """How many placeholder tokens the processor puts for an image of `grid`."""
         t, h, w = grid

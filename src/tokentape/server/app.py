@@ -124,6 +124,7 @@ def create_app(
         gateway.engine.context_length,
         vision=renderer.vision is not None,
         image_limits=image_limits or ImageLimits(),
+        image_refusal=renderer.vision.refusal if renderer.vision is not None else None,
     )
     generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
     settings = guard or GuardSettings()

@@ -53,10 +53,11 @@ class DialectContext:
     context_length: int
     vision: bool = False  # the model has an image processor: image parts are taken
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    image_refusal: Callable[[int, int], str | None] | None = None  # the processor's size rule
 
     def image_intake(self) -> ImageIntake:
         """A fresh intake for one request's images."""
-        return ImageIntake(self.image_limits, vision=self.vision)
+        return ImageIntake(self.image_limits, vision=self.vision, refusal=self.image_refusal)
 
 
 class Dialect(abc.ABC, Generic[Req]):

@@ -68,10 +68,18 @@ class ImageLimits:
 class ImageIntake:
     """The images of one request, checked as they are parsed."""
 
-    def __init__(self, limits: ImageLimits, *, vision: bool, model: str = "this model") -> None:
+    def __init__(
+        self,
+        limits: ImageLimits,
+        *,
+        vision: bool,
+        model: str = "this model",
+        refusal: Callable[[int, int], str | None] | None = None,
+    ) -> None:
         self.limits = limits
         self.vision = vision
         self.model = model
+        self.refusal = refusal  # (width, height) -> why the model's processor refuses that size, or None
         self.images: dict[str, DecodedImage] = {}
 
     def url(self, url: Any, where: str) -> dict[str, Any]:
@@ -129,7 +137,16 @@ class ImageIntake:
             facts = _checked.get(digest)
             known = None if facts is None else DecodedImage(digest, raw, *facts)
             fits = known is not None and known.width * known.height <= self.limits.max_pixels
-            self.images[digest] = known if known is not None and fits else self._decode(raw, digest, where)
+            image = known if known is not None and fits else self._decode(raw, digest, where)
+            reason = self.refusal(image.width, image.height) if self.refusal is not None else None
+            if reason is not None:
+                raise InvalidRequest(
+                    f"{where}: the model's image processor cannot take this "
+                    f"{image.width}x{image.height} image: {reason}",
+                    param=where,
+                    code="invalid_image",
+                )
+            self.images[digest] = image
         return {"type": IMAGE_PART, IMAGE_PART: digest}
 
     def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
