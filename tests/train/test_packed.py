@@ -23,7 +23,7 @@ from tokentape.render.renderer import Renderer
 from tokentape.runtime import embedded_model_path
 from tokentape.server.app import create_app
 from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
-from tokentape.train.packed import PackedBatch, build_packed, packed_loss, packed_token_logprobs
+from tokentape.train.packed import PackedBatch, build_packed, packed_groups, packed_loss, packed_token_logprobs
 from tokentape.train.weights import f32_gguf, load_model
 
 TEMPERATURE, CLIP = 0.8, 2.0
@@ -200,3 +200,19 @@ async def test_a_token_that_sees_a_sibling_is_caught(model: Any, shapes: dict[st
     packed.attention[0, 0, paths[1][-2], sibling] = 0.0
     logprobs, _, _ = _compare(model, samples, packed)
     assert logprobs > 1e-6
+
+
+async def test_a_batch_of_groups_packs_to_the_batch_loss(model: Any, shapes: dict[str, list[Sample]]) -> None:
+    """`train --packed`: each group its own packed row, scaled by its share of the batch."""
+    samples = shapes["n=4 siblings"] + shapes["group of 8"]
+    advantages = _advantages(samples)
+    batch = build_batch(samples, advantages_=advantages)
+    batch.engine_logprobs, batch.mask = batch.engine_logprobs.double(), batch.mask.double()
+    batch.advantages, batch.weights = batch.advantages.double(), batch.weights.double()
+    with torch.no_grad():
+        expected, _ = loss_and_metrics(token_logprobs(model, batch, TEMPERATURE), batch, CLIP)
+        rows = packed_groups(samples, advantages, dtype=torch.float64)
+        got = sum(
+            share * packed_loss(packed_token_logprobs(model, row, TEMPERATURE), row, CLIP)[0] for row, share in rows
+        )
+    assert len(rows) == 2 and abs(float(expected - got)) <= 1e-9

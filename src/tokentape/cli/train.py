@@ -48,6 +48,13 @@ def train(
             help="A trainer key of the gateway at --url: sessions, rewards, exports and weight updates carry it.",
         ),
     ] = None,
+    packed: Annotated[
+        bool,
+        typer.Option(
+            help="Forward each group as one packed row (every shared token once, a 4D attention mask) instead "
+            "of one row per branch: the same loss, fewer tokens."
+        ),
+    ] = False,
 ) -> None:
     """The reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape, pushing each
     update to the engine (POST /admin/weights)."""
@@ -77,6 +84,7 @@ def train(
         url=url,
         api_key=api_key,
         eval_every=eval_every,
+        packed=packed,
     )
     console = Console()
     columns = (

@@ -60,6 +60,7 @@ class TrainConfig:
     eval_tasks: int = 16  # the held-out set: episodes of runs named `heldout-...` (the agent's fixed tasks), greedy
     url: str | None = None  # a gateway the user runs (`tokentape serve`, over vLLM, on Ray); None: one in-process
     api_key: str | None = None  # a trainer key of the gateway at `url`
+    packed: bool = False  # each group one packed row (`train.packed`): the same loss, shared tokens once
 
 
 @dataclass(slots=True)
@@ -188,10 +189,13 @@ class Trainer:
         """One optimizer step; the mismatch figures are those of the policy that sampled (before it)."""
         import torch
 
+        if self.config.packed:
+            return self._update_packed(samples, advantages)
         batch = build_batch(samples, advantages_=advantages)
         self.model.train()
         logprobs = token_logprobs(self.model, batch, self.config.temperature)
         loss, metrics = loss_and_metrics(logprobs, batch, self.config.clip)
+        metrics["tokens_forwarded"] = float(batch.input_ids.numel())
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
@@ -201,6 +205,33 @@ class Trainer:
             on = batch.mask.bool()
             metrics["base_diff_mean"] = float((base - batch.engine_logprobs).abs()[on].mean())
         return metrics
+
+    def _update_packed(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+        """One optimizer step over packed rows, one per group: each group's loss is scaled by its share
+        of the batch's weighted trained tokens, so the sum is the per-branch batch's loss."""
+        from tokentape.train.packed import packed_groups, packed_loss, packed_token_logprobs
+
+        rows = packed_groups(samples, advantages)
+        self.model.train()
+        self.optimizer.zero_grad()
+        loss_sum = forwarded = difference = kl = 0.0
+        for row, share in rows:  # one row at a time: the gradients add up, the activations do not
+            logprobs = packed_token_logprobs(self.model, row, self.config.temperature)
+            loss, figures = packed_loss(logprobs, row, self.config.clip)
+            (loss * share).backward()
+            loss_sum += figures["loss"] * share
+            forwarded += figures["tokens_forwarded"]
+            difference += figures["logprob_diff_mean"] * share
+            kl += figures["kl_k3"] * share
+        self.optimizer.step()
+        return {
+            "loss": loss_sum,
+            "logprob_diff_mean": difference,
+            "kl_k3": kl,
+            "tokens": float(sum(float(row.mask.sum()) for row, _ in rows)),
+            "tokens_forwarded": forwarded,
+            "branch_tokens": float(sum(row.branch_tokens for row, _ in rows)),
+        }
 
     async def push(self) -> Path:
         from tokentape.train.weights import write_lora_gguf

@@ -21,7 +21,7 @@ from typing import Any
 from tokentape.core.packed import attention_mask, pack_branches
 from tokentape.train.loss import Sample
 
-__all__ = ["PackedBatch", "build_packed", "packed_loss", "packed_token_logprobs"]
+__all__ = ["PackedBatch", "build_packed", "packed_groups", "packed_loss", "packed_token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -80,6 +80,23 @@ def build_packed(samples: Sequence[Sample], advantages: Sequence[float], dtype: 
     )
 
 
+def packed_groups(
+    samples: Sequence[Sample], advantages: Sequence[float], dtype: Any = None
+) -> list[tuple[PackedBatch, float]]:
+    """A batch as packed rows, one per group, each with its share of the batch's weighted trained
+    tokens: the sum of share x `packed_loss` over the rows is the per-branch batch's loss."""
+    groups: dict[str, list[int]] = {}
+    for index, sample in enumerate(samples):
+        groups.setdefault(sample.group_id, []).append(index)
+    rows = [
+        build_packed([samples[i] for i in members], [advantages[i] for i in members], dtype)
+        for members in groups.values()
+    ]
+    weights = [float((row.weight * row.mask).sum()) for row in rows]
+    total = sum(weights) or 1.0
+    return [(row, weight / total) for row, weight in zip(rows, weights, strict=True)]
+
+
 def packed_token_logprobs(model: Any, batch: PackedBatch, temperature: float) -> Any:
     """log p(token | its ancestors) at the engine's temperature for every trained token, [N] (0
     elsewhere); the LM head runs on the trained tokens' parents only."""
@@ -105,8 +122,12 @@ def packed_loss(trainer_logprobs: Any, batch: PackedBatch, clip: float) -> tuple
     tis = torch.clamp(ratio, max=clip)
     denominator = (batch.weight * batch.mask).sum().clamp(min=1e-12)
     loss = -(tis * batch.coefficient * trainer_logprobs * batch.mask).sum() / denominator
+    on = batch.mask.bool()
+    log_ratio = (old - batch.engine_logprobs)[on]
     return loss, {
         "tokens_forwarded": float(batch.input_ids.shape[1]),
         "branch_tokens": float(batch.branch_tokens),
         "loss": float(loss.detach()),
+        "logprob_diff_mean": float(log_ratio.abs().mean()) if on.any() else 0.0,
+        "kl_k3": float((torch.exp(log_ratio) - 1.0 - log_ratio).mean()) if on.any() else 0.0,
     }
