@@ -17,6 +17,9 @@ sampling_params) -> TokenOutput(token_ids, log_probs, stop_reason, extra_fields)
   `aborted` (verl pausing its servers to sync weights) is resumed as verl's partial rollout resumes:
   the same request again with the tokens so far appended to the prompt, for what is left of
   `max_tokens`, until it completes.
+- Images: a prompt's images go to `generate` as verl's own multimodal loops pass them,
+  `image_data` (PIL images, one per placeholder run, in prompt order) beside `prompt_ids` whose runs
+  the model's processor already expanded; a text-only prompt's call carries no `image_data`.
 - Versions: each call's `extra_fields["global_steps"]` (the weights version of the server that
   answered) becomes the version of every token it sampled, so a turn resumed across a weight sync
   carries two policy spans. A call that itself spans versions (verl's `FullyAsyncLLMServerClient`
@@ -27,6 +30,7 @@ sampling_params) -> TokenOutput(token_ids, log_probs, stop_reason, extra_fields)
 from __future__ import annotations
 
 import asyncio
+import io
 import numbers
 import time
 from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
@@ -34,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, SampledToken, vllm_logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
 from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
 
-__all__ = ["ServerManager", "VerlEngine", "verl_request"]
+__all__ = ["ServerManager", "VerlEngine", "pil_images", "verl_request"]
 
 ABORTED = frozenset({"aborted", "abort"})
 MAX_RESUMES = 64  # an answer aborted this many times in a row is a failure, not a weight sync
@@ -46,7 +50,9 @@ MAX_RESUMES = 64  # an answer aborted this many times in a row is a failure, not
 class ServerManager(Protocol):
     """What tokentape calls of verl's `LLMServerClient` (verl/workers/rollout/llm_server.py)."""
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any: ...
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **images: Any
+    ) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -85,6 +91,8 @@ def verl_request(
 
 
 class VerlEngine:
+    takes_images = True  # as `image_data` (`base.takes_images`)
+
     def __init__(
         self,
         server_manager: ServerManager,
@@ -155,9 +163,11 @@ class VerlEngine:
         session_id: str | None = None,
         constraint: Constraint | None = None,
         whole: bool = False,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         if constraint is not None:
             raise InvalidRequest("verl's rollout servers are not asked for constrained output", param="response_format")
+        extra = {"image_data": pil_images(images)} if images else {}
         episode = self._episodes.get(session_id or "")
         if episode is not None and episode.first_prompt is None:
             episode.first_prompt = len(prompt)
@@ -177,7 +187,7 @@ class VerlEngine:
             left = wanted - len(sampled)
             given = seed if self.takes_seed else None
             request = verl_request(trainer, params, max_tokens=left, seed=given, stop_ids=self._end_of_turn)
-            output = await self._call(request_id, [*prompt, *sampled], request, episode)
+            output = await self._call(request_id, [*prompt, *sampled], request, episode, extra)
             tokens, logprobs = list(output.token_ids), output.log_probs
             if tokens and (logprobs is None or len(logprobs) != len(tokens)):
                 raise EngineProtocolError("verl's server returned no logprob for every sampled token")
@@ -195,10 +205,17 @@ class VerlEngine:
             await asyncio.sleep(self.resume_delay)
         raise EngineFailure(f"verl's server aborted the request {MAX_RESUMES} times in a row")
 
-    async def _call(self, request_id: str, prompt: list[int], request: dict[str, Any], episode: _Episode | None) -> Any:
+    async def _call(
+        self,
+        request_id: str,
+        prompt: list[int],
+        request: dict[str, Any],
+        episode: _Episode | None,
+        extra: Mapping[str, Any],
+    ) -> Any:
         started = time.perf_counter()
         try:
-            return await self.server_manager.generate(request_id, prompt_ids=prompt, sampling_params=request)
+            return await self.server_manager.generate(request_id, prompt_ids=prompt, sampling_params=request, **extra)
         except (asyncio.CancelledError, InvalidRequest):
             raise
         except Exception as exc:  # a server or Ray failure: the gateway's engine error, retried once
@@ -238,3 +255,12 @@ def _version(extra: Mapping[str, Any]) -> int | None:
 def _straddles(extra: Mapping[str, Any]) -> bool:
     low, high = extra.get("min_global_steps"), extra.get("max_global_steps")
     return isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and low != high
+
+
+def pil_images(images: Sequence[PromptImage]) -> list[Any]:
+    """A prompt's images as verl's loops hand them to its servers and its trainer: PIL images in RGB
+    (as verl's dataset opens them), one per placeholder run, in the order of the runs."""
+    from PIL import Image
+
+    ordered = sorted(images, key=lambda image: image.run.start)
+    return [Image.open(io.BytesIO(image.image.data)).convert("RGB") for image in ordered]

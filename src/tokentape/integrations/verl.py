@@ -57,14 +57,16 @@ mask 0, which verl pads like any other and trains nothing on.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import inspect
+import io
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,7 @@ class VerlSample:
     response_logprobs: list[float]
     versions: list[int]  # per response token; -1 where nothing was sampled
     truncated: bool  # cut at response_length
+    images: list[str] = field(default_factory=list)  # data: URLs, one per placeholder run kept, in order
 
     @property
     def global_steps(self) -> tuple[int | None, int | None]:
@@ -103,13 +106,16 @@ class VerlSample:
 
 def verl_sample(branch: Mapping[str, Any], *, prompt_length: int, response_length: int) -> VerlSample:
     """A tokentape branch as verl's prompt and response: split at the first sampled token (at most
-    `prompt_length` into the branch), the response cut to `response_length`."""
+    `prompt_length` into the branch), the response cut to `response_length`, and before an image's
+    placeholder run that cut would split (verl re-expands every run from its image)."""
     tokens, mask = list(branch["tokens"]), [int(bool(m)) for m in branch["loss_mask"]]
     first = mask.index(1) if 1 in mask else len(tokens)
     split = min(first, prompt_length)
     logprobs = [0.0 if lp is None or not m else float(lp) for lp, m in zip(branch["logprobs"], mask, strict=True)]
     versions = [int(v) if m else -1 for v, m in zip(branch["versions"], mask, strict=True)]
     end = split + response_length
+    runs = list(zip(branch.get("image_runs") or (), branch.get("images") or (), strict=True))
+    end = min([end, *(run["start"] for run, _ in runs if run["start"] < end < run["end"])])
     return VerlSample(
         prompt_ids=tokens[:split],
         response_ids=tokens[split:end],
@@ -117,6 +123,7 @@ def verl_sample(branch: Mapping[str, Any], *, prompt_length: int, response_lengt
         response_logprobs=logprobs[split:end],
         versions=versions[split:end],
         truncated=len(tokens) > end,
+        images=[url for run, url in runs if run["end"] <= end],
     )
 
 
@@ -274,11 +281,15 @@ class TokentapeAgentLoop(AgentLoopBase):
             n = len(sample.response_ids)
             sample = replace(sample, response_mask=[0] * n, response_logprobs=[0.0] * n, versions=[-1] * n)
         low, high = sample.global_steps
+        # as verl's multimodal loops: the images of every run, in order; its worker re-runs the processor
+        pictures = [_pil(url) for url in sample.images]
+        images: dict[str, Any] = {"multi_modal_data": {"images": pictures}} if pictures else {}
         return AgentLoopOutput(
             prompt_ids=sample.prompt_ids,
             response_ids=sample.response_ids,
             response_mask=sample.response_mask,
             response_logprobs=sample.response_logprobs if logprobs else None,
+            **images,
             reward_score=reward,
             num_turns=2 * len(branch["turn_ids"]),
             metrics=metrics,
@@ -328,6 +339,13 @@ class TokentapeAgentLoop(AgentLoopBase):
                 "tool_rewards": [],
             },
         )
+
+
+def _pil(url: str) -> Any:
+    """An exported image (a data: URL) as verl's dataset opens images: PIL, RGB."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
 
 
 def _digest(prompt: Any) -> str:
