@@ -66,9 +66,12 @@ def check_sampling(export: dict[str, Any], branch: dict[str, Any], expected: Map
     under (`expected`: temperature, top_p, top_k, min_p): ValueError naming the turn otherwise, so a
     mismatch is an error, never a silent bias."""
     recorded = branch.get("sampling") or [None] * len(branch["turn_ids"])
-    for turn, (start, end), settings in zip(branch["turn_ids"], branch["action_ranges"], recorded, strict=True):
+    for start, end in branch["action_ranges"]:
         if end <= start:
             continue  # nothing sampled: nothing to train on
+        # a turn whose sampled tokens a fork cut off has no range on this branch: look turns up by index
+        index = branch["turn_index"][start]
+        turn, settings = branch["turn_ids"][index], recorded[index]
         where = f"session {export['session_id']} turn {turn}"
         if settings is None:
             raise ValueError(f"{where} records no sampling settings; the trainer needs {dict(expected)}")
@@ -118,10 +121,12 @@ def samples_from_export(
         dropped = {"constrained": 0, "stale": 0}
         # per token (a turn continued across a weight update holds several versions; -1: not known)
         per_token: list[int] = branch.get("versions") or [-1] * len(tokens)
-        for (start, end), constrained, turn_version in zip(
-            branch["action_ranges"], branch["constrained"], branch["policy_versions"], strict=True
-        ):
-            label = _version_number(turn_version)
+        for start, end in branch["action_ranges"]:
+            if end <= start:
+                continue
+            # ranges are the branch's sampled spans; a turn a fork cut short of its reply has none
+            index = branch["turn_index"][start]
+            constrained, label = branch["constrained"][index], _version_number(branch["policy_versions"][index])
             for i in range(start, end):
                 number = per_token[i] if per_token[i] >= 0 else label
                 versions[i] = number
