@@ -144,8 +144,8 @@ e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactn
 	fi; \
 	$(call on_loopback,TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs)
 
-train: setup  ## the reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape (~10 min)
-	$(VENV)/bin/tokentape train arithmetic --steps 20 --seed 0 --out runs/train
+train: setup  ## the reference RL loop: GRPO on a LoRA of the embedded model, learning from the tape (~10 min; TRAIN_ARGS=--packed packs each group)
+	$(VENV)/bin/tokentape train arithmetic --steps 20 --seed 0 --out runs/train $(TRAIN_ARGS)
 
 train-seeds: setup  ## the loop over seeds 0-2, held-out reward beside training reward (~30-45 min)
 	for seed in 0 1 2; do $(VENV)/bin/tokentape train arithmetic --steps 20 --seed $$seed --out runs/train-s$$seed || exit 1; done

@@ -260,20 +260,20 @@ FORMATS: dict[str, dict[str, Field]] = {
         "schema_version": SESSION["schema_version"],
         "group_id": ("str", "", "The group packed in this row; a session without one is its own, `session:<id>`."),
         "session_ids": ("list[str]", "session", "The sessions packed in this row."),
-        "tokens": ("list[int]", "token", "Every token of every branch once, parents before children."),
+        "tokens": ("list[int]", "packed token", "Every token of every branch once, parents before children."),
         "parents": (
             "list[int]",
-            "token",
+            "packed token",
             "Each token's parent index (-1: a root). A token attends to its ancestors and itself only, and "
             "is predicted at its parent's position.",
         ),
-        "position_ids": ("list[int]", "token", "Each token's position on its own path (its depth)."),
-        "loss_mask": BRANCH["loss_mask"],
-        "logprobs": BRANCH["logprobs"],
-        "versions": BRANCH["versions"],
+        "position_ids": ("list[int]", "packed token", "Each token's position on its own path (its depth)."),
+        "loss_mask": ("list[int]", "packed token", BRANCH["loss_mask"][2]),
+        "logprobs": ("list[float | null]", "packed token", BRANCH["logprobs"][2]),
+        "versions": ("list[int]", "packed token", BRANCH["versions"][2]),
         "loss_coefficient": (
             "list[float]",
-            "token",
+            "packed token",
             "The sum of the `loss_weight`s of the branches holding the token (0 off the mask): with one advantage "
             "per rollout, the packed token-level loss equals the per-branch one.",
         ),
