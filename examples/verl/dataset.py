@@ -1,0 +1,44 @@
+"""A GSM8K-style dataset in verl's format (the columns verl's `examples/data_preprocess/gsm8k.py`
+writes): sums of two numbers, the answer as `reward_model.ground_truth`.
+
+    python examples/verl/dataset.py [OUT_DIR]     # writes train.parquet (512 rows) and test.parquet (64)
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        question = f"What is {a} + {b}? End your answer with 'Answer: N'."
+        out.append(
+            {
+                "data_source": "arithmetic",
+                "prompt": [{"role": "user", "content": question}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": split, "index": i},
+            }
+        )
+    return out
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows(512, 0, "train")), out / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows(64, 1, "test")), out / "test.parquet")
+    print(pq.read_table(out / "train.parquet").num_rows, "training rows in", out)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("."))
