@@ -71,3 +71,12 @@ def test_doctor_finds_no_problem_on_the_new_families(tmp_path: Path, family: str
     findings = _findings(family, tmp_path)
     assert [case for case, f in findings.items() if f.verdict == "problem"] == []
     assert findings["2 truncated turn"].verdict == "bridged"
+
+
+def test_doctor_names_the_settings_under_which_a_template_carries_state(tmp_path: Path) -> None:
+    """Qwen2-VL numbers images across the conversation under add_vision_id: the doctor says so; Qwen3's
+    enable_thinking reaches only the generation prompt."""
+    (vl,) = [f for f in audit(hf_renderer(materialise("qwen2-vl", tmp_path))) if f.case.strip() == "template settings"]
+    assert vl.verdict == "note" and "with add_vision_id set and images" in vl.detail
+    (qwen3,) = [f for f in audit(hf_renderer(materialise("qwen3", tmp_path))) if f.case.strip() == "template settings"]
+    assert qwen3.verdict == "exact" and "enable_thinking" in qwen3.detail

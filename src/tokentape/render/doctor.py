@@ -13,6 +13,7 @@ from typing import Any, Literal
 from tokentape.core.bridge import REPLY_SENTINEL
 from tokentape.core.reply import parse_reply
 from tokentape.core.session import common_prefix_length
+from tokentape.render.probe import kwargs_read
 from tokentape.render.renderer import Renderer, RenderOptions
 
 __all__ = ["Finding", "audit"]
@@ -176,6 +177,7 @@ def audit(renderer: Renderer) -> list[Finding]:
     findings.append(Finding("6 template text", "note" if six else "exact", "; ".join(six) or "nothing injected"))
 
     findings.append(_state_finding(renderer))
+    findings.append(_settings_finding(renderer))
     findings.append(_tools_in_history_finding(renderer))
     return findings
 
@@ -210,6 +212,30 @@ def _state_finding(renderer: Renderer) -> Finding:
         "the template renders new messages differently depending on older ones "
         f"({renderer.anchor_difference}): bridges are rendered from the first message (Jinja "
         "only; only the new segment is tokenized)",
+    )
+
+
+def _settings_finding(renderer: Renderer) -> Finding:
+    """Which `chat_template_kwargs` the template reads, and under which (set to true, with images
+    where the model takes them) its state across messages shows: bridges then render whole."""
+    names = kwargs_read(renderer.template.source)
+    if not names:
+        return Finding("  template settings", "exact", "the template reads no chat_template_kwargs")
+    images = renderer.vision is not None
+    verdicts = {n: renderer.anchor_verdict(RenderOptions(template_kwargs={n: True}), images) for n in names}
+    whole = [n for n, v in verdicts.items() if v.probed and not v.safe]  # a non-boolean setting may not render
+    read = ", ".join(names)
+    if not whole:
+        return Finding(
+            "  template settings",
+            "exact",
+            f"reads {read}; set to true, none makes new messages render differently from the last user message on",
+        )
+    return Finding(
+        "  template settings",
+        "note",
+        f"reads {read}; with {', '.join(whole)} set{' and images' if images else ''} the template carries state "
+        "across messages: those requests' bridges render the whole conversation (Jinja only; exact)",
     )
 
 

@@ -24,7 +24,15 @@ from tokentape.core.images import IMAGE_PART
 from tokentape.core.messages import Message
 from tokentape.errors import InvalidRequest
 
-__all__ = ["AnchorVerdict", "AnchorVerdicts", "probe_anchor", "probe_shapes", "ProbeOptions", "VERDICTS_KEPT"]
+__all__ = [
+    "AnchorVerdict",
+    "AnchorVerdicts",
+    "ProbeOptions",
+    "VERDICTS_KEPT",
+    "kwargs_read",
+    "probe_anchor",
+    "probe_shapes",
+]
 
 # Verdicts remembered per renderer. Past this many distinct kwargs sets a new set is not probed at
 # all: its bridges render from the first message (exact), so kwargs an agent varies at will cost
@@ -46,6 +54,7 @@ class ProbeOptions:
 class AnchorVerdict:
     safe: bool  # bridges from the anchor equal bridges from the first message on every probe shape
     difference: str = ""  # where they differ (or why the probe could not tell)
+    probed: bool = True  # False: no verdict (nothing rendered, or past the limit), bridged whole all the same
 
 
 # (messages, reply index, prefix, options) -> the text a bridge after that reply renders
@@ -91,7 +100,9 @@ def probe_anchor(bridge_text: BridgeText, template_kwargs: Mapping[str, Any] | N
                     f"{full[at : at + 60]!r} where one from the last user message gives {anchored[at : at + 60]!r}",
                 )
     if not compared:
-        return AnchorVerdict(False, "the template rendered none of the probe conversations with these settings")
+        return AnchorVerdict(
+            False, "the template rendered none of the probe conversations with these settings", probed=False
+        )
     return AnchorVerdict(True)
 
 
@@ -111,12 +122,15 @@ class AnchorVerdicts:
             if known is not None:
                 return known
             if len(self._known) >= self._limit:
-                return AnchorVerdict(False, f"more than {self._limit} distinct template settings: not probed")
+                return self._unprobed()
         verdict = probe_anchor(self._bridge_text, template_kwargs, images)
         with self._lock:
             if len(self._known) < self._limit:
                 self._known[key] = verdict
         return verdict
+
+    def _unprobed(self) -> AnchorVerdict:
+        return AnchorVerdict(False, f"more than {self._limit} distinct template settings: not probed", probed=False)
 
     def known(self, template_kwargs: Mapping[str, Any] | None, images: bool) -> AnchorVerdict | None:
         """The verdict if it is learned (or will not be): None when asking would run the probe."""
@@ -125,8 +139,28 @@ class AnchorVerdicts:
             if key in self._known:
                 return self._known[key]
             if len(self._known) >= self._limit:
-                return AnchorVerdict(False, f"more than {self._limit} distinct template settings: not probed")
+                return self._unprobed()
         return None
+
+
+# Names templates read that are no `chat_template_kwargs`: what every render is given, the tools,
+# and template-local variables the Jinja parser cannot tell from outside ones.
+_NOT_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+    | {"namespace", "range", "content", "reasoning_content", "tool_call", "first_user_message", "system_message"}
+)
+
+
+def kwargs_read(source: str) -> list[str]:
+    """The names a template reads from outside that `chat_template_kwargs` can set, sorted."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateError:
+        return []
+    return sorted(jinja2.meta.find_undeclared_variables(parsed) - _NOT_KWARGS)
 
 
 def _exact(kwargs: Mapping[str, Any] | None) -> bytes:
