@@ -10,7 +10,9 @@ samples), on the template each shape needs, then trained on as the reference tra
   (d) a Qwen3 episode whose template strips earlier turns' thinking, under the fork policy (each
       turn forks where the stripped history parts from the tape), 8 and 32 turns: tokens from
       Qwen3's real template; the time on the embedded model with a tree of the same shape (its
-      tokens mapped into the embedded vocabulary).
+      tokens mapped into the embedded vocabulary), for trees under `--time-below` branch tokens.
+
+The trainer packs small groups together into one row (a forest, up to 4,096 packed tokens).
 
     .venv/bin/python benchmarks/packed.py [--repeats 3]
 """
@@ -170,6 +172,7 @@ async def record() -> dict[str, list[Sample]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-below", type=int, default=40_000, help="time shapes of fewer branch tokens only")
     args = parser.parse_args()
     import torch
 
@@ -186,6 +189,11 @@ def main() -> None:
         branch_tokens = sum(len(s.tokens) for s in samples)
         packed_tokens = sum(row.input_ids.shape[1] for row, _ in packed_groups(samples, advantages(samples)))
         times: dict[bool, list[float]] = {False: [], True: []}
+        if branch_tokens >= args.time_below:  # tokens only: the per-branch step would take minutes here
+            saved = 1 - packed_tokens / branch_tokens
+            counts = f"{name:40} {len(samples):4d} {branch_tokens:10,d} {packed_tokens:10,d} {saved:6.1%}"
+            print(f"{counts} {'-':>12} {'-':>9} {'-':>8}")
+            continue
         for _ in range(args.repeats):  # alternating, so the machine's ups and downs fall on both
             for packed in (False, True):
                 times[packed].append(step_seconds(model, samples, packed)[0])

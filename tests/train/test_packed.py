@@ -203,7 +203,8 @@ async def test_a_token_that_sees_a_sibling_is_caught(model: Any, shapes: dict[st
 
 
 async def test_a_batch_of_groups_packs_to_the_batch_loss(model: Any, shapes: dict[str, list[Sample]]) -> None:
-    """`train --packed`: each group its own packed row, scaled by its share of the batch."""
+    """`train --packed`: groups packed whole, one row each or several in one row (a forest), each row
+    scaled by its share of the batch."""
     samples = shapes["n=4 siblings"] + shapes["group of 8"]
     advantages = _advantages(samples)
     batch = build_batch(samples, advantages_=advantages)
@@ -211,8 +212,9 @@ async def test_a_batch_of_groups_packs_to_the_batch_loss(model: Any, shapes: dic
     batch.advantages, batch.weights = batch.advantages.double(), batch.weights.double()
     with torch.no_grad():
         expected, _ = loss_and_metrics(token_logprobs(model, batch, TEMPERATURE), batch, CLIP)
-        rows = packed_groups(samples, advantages, dtype=torch.float64)
-        got = sum(
-            share * packed_loss(packed_token_logprobs(model, row, TEMPERATURE), row, CLIP)[0] for row, share in rows
-        )
-    assert len(rows) == 2 and abs(float(expected - got)) <= 1e-9
+        for budget, count in ((1, 2), (4096, 1)):
+            rows = packed_groups(samples, advantages, dtype=torch.float64, max_tokens=budget)
+            got = sum(
+                share * packed_loss(packed_token_logprobs(model, row, TEMPERATURE), row, CLIP)[0] for row, share in rows
+            )
+            assert len(rows) == count and abs(float(expected - got)) <= 1e-9, budget

@@ -81,17 +81,37 @@ def build_packed(samples: Sequence[Sample], advantages: Sequence[float], dtype: 
 
 
 def packed_groups(
-    samples: Sequence[Sample], advantages: Sequence[float], dtype: Any = None
+    samples: Sequence[Sample], advantages: Sequence[float], dtype: Any = None, *, max_tokens: int = 4096
 ) -> list[tuple[PackedBatch, float]]:
-    """A batch as packed rows, one per group, each with its share of the batch's weighted trained
-    tokens: the sum of share x `packed_loss` over the rows is the per-branch batch's loss."""
+    """A batch as packed rows, each with its share of the batch's weighted trained tokens: the sum of
+    share x `packed_loss` over the rows is the per-branch batch's loss. Each group is packed whole
+    (its sessions share a prompt); small groups go together into one row (a forest) up to `max_tokens`
+    packed tokens, since one forward of many tokens costs less than many forwards of few."""
     groups: dict[str, list[int]] = {}
     for index, sample in enumerate(samples):
         groups.setdefault(sample.group_id, []).append(index)
-    rows = [
-        build_packed([samples[i] for i in members], [advantages[i] for i in members], dtype)
-        for members in groups.values()
-    ]
+    bins: list[list[int]] = []
+    filled = 0
+    for members in groups.values():
+        size = len(
+            pack_branches(
+                [
+                    {
+                        "tokens": samples[i].tokens,
+                        "loss_mask": samples[i].mask,
+                        "logprobs": [None] * len(samples[i].tokens),
+                    }
+                    for i in members
+                ]
+            )["tokens"]
+        )
+        if bins and filled + size <= max_tokens:
+            bins[-1] += members
+            filled += size
+        else:
+            bins.append(list(members))
+            filled = size
+    rows = [build_packed([samples[i] for i in members], [advantages[i] for i in members], dtype) for members in bins]
     weights = [float((row.weight * row.mask).sum()) for row in rows]
     total = sum(weights) or 1.0
     return [(row, weight / total) for row, weight in zip(rows, weights, strict=True)]
