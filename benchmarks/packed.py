@@ -12,7 +12,8 @@ samples), on the template each shape needs, then trained on as the reference tra
       Qwen3's real template; the time on the embedded model with a tree of the same shape (its
       tokens mapped into the embedded vocabulary), for trees under `--time-below` branch tokens.
 
-The trainer packs small groups together into one row (a forest, up to 4,096 packed tokens).
+The trainer packs branches group by group into rows of at most 2,048 packed tokens (a forest of small
+groups; a large tree split by whole branches): the attention mask is dense, N x N per head and layer.
 
     .venv/bin/python benchmarks/packed.py [--repeats 3]
 """
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 from tests.support.models import materialise
 
+from tokentape.core.packed import pack_branches
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
@@ -134,6 +136,11 @@ def into_vocabulary(samples: list[Sample], vocabulary: int) -> list[Sample]:
     ]
 
 
+def _branch(sample: Sample) -> dict[str, Any]:
+    logprobs = [lp if m else None for lp, m in zip(sample.engine_logprobs, sample.mask, strict=True)]
+    return {"tokens": sample.tokens, "loss_mask": sample.mask, "logprobs": logprobs, "rollout_id": sample.session_id}
+
+
 def advantages(samples: list[Sample]) -> list[float]:
     return [(-1.0) ** i * 0.5 for i in range(len(samples))]
 
@@ -172,7 +179,7 @@ async def record() -> dict[str, list[Sample]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--time-below", type=int, default=40_000, help="time shapes of fewer branch tokens only")
+    parser.add_argument("--time-below", type=int, default=20_000, help="time shapes of fewer branch tokens only")
     args = parser.parse_args()
     import torch
 
@@ -182,16 +189,19 @@ def main() -> None:
     shapes = asyncio.run(record())
     model = add_lora(load_model(f32_gguf(embedded_model_path())), rank=8, last_layers=10)
     vocabulary = model.get_base_model().config.vocab_size
-    header = ("shape", "rows", "branch tok", "packed tok", "saved", "per-branch s", "packed s", "speed-up")
-    print("{:40} {:>4} {:>10} {:>10} {:>6} {:>12} {:>9} {:>8}".format(*header))
+    header = ("shape", "rows", "branch tok", "tree tok", "forwarded", "saved", "per-branch s", "packed s", "speed-up")
+    print("{:40} {:>4} {:>10} {:>8} {:>9} {:>6} {:>12} {:>9} {:>8}".format(*header))
     for name, samples in shapes.items():
         samples = into_vocabulary(samples, vocabulary)
         branch_tokens = sum(len(s.tokens) for s in samples)
         packed_tokens = sum(row.input_ids.shape[1] for row, _ in packed_groups(samples, advantages(samples)))
+        tree_tokens = len(pack_branches([_branch(s) for s in samples])["tokens"])  # format=packed: one row
         times: dict[bool, list[float]] = {False: [], True: []}
         if branch_tokens >= args.time_below:  # tokens only: the per-branch step would take minutes here
             saved = 1 - packed_tokens / branch_tokens
-            counts = f"{name:40} {len(samples):4d} {branch_tokens:10,d} {packed_tokens:10,d} {saved:6.1%}"
+            counts = (
+                f"{name:40} {len(samples):4d} {branch_tokens:10,d} {tree_tokens:8,d} {packed_tokens:9,d} {saved:6.1%}"
+            )
             print(f"{counts} {'-':>12} {'-':>9} {'-':>8}")
             continue
         for _ in range(args.repeats):  # alternating, so the machine's ups and downs fall on both
@@ -200,7 +210,7 @@ def main() -> None:
         per_branch, packed_s = statistics.median(times[False]), statistics.median(times[True])
         saved = 1 - packed_tokens / branch_tokens
         print(
-            f"{name:40} {len(samples):4d} {branch_tokens:10,d} {packed_tokens:10,d} {saved:6.1%} "
+            f"{name:40} {len(samples):4d} {branch_tokens:10,d} {tree_tokens:8,d} {packed_tokens:9,d} {saved:6.1%} "
             f"{per_branch:12.2f} {packed_s:9.2f} {per_branch / packed_s:7.2f}x"
         )
     print(f"load average: {Path('/proc/loadavg').read_text().split()[:3]}")

@@ -203,8 +203,9 @@ async def test_a_token_that_sees_a_sibling_is_caught(model: Any, shapes: dict[st
 
 
 async def test_a_batch_of_groups_packs_to_the_batch_loss(model: Any, shapes: dict[str, list[Sample]]) -> None:
-    """`train --packed`: groups packed whole, one row each or several in one row (a forest), each row
-    scaled by its share of the batch."""
+    """`train --packed`: branches taken group by group into rows of a token budget (a forest of
+    small groups, a large tree split by whole branches, a lone branch causal), each row scaled by its
+    share of the batch."""
     samples = shapes["n=4 siblings"] + shapes["group of 8"]
     advantages = _advantages(samples)
     batch = build_batch(samples, advantages_=advantages)
@@ -212,9 +213,12 @@ async def test_a_batch_of_groups_packs_to_the_batch_loss(model: Any, shapes: dic
     batch.advantages, batch.weights = batch.advantages.double(), batch.weights.double()
     with torch.no_grad():
         expected, _ = loss_and_metrics(token_logprobs(model, batch, TEMPERATURE), batch, CLIP)
-        for budget, count in ((1, 2), (4096, 1)):
+        for budget, count in ((1, len(samples)), (300, None), (4096, 1)):
             rows = packed_groups(samples, advantages, dtype=torch.float64, max_tokens=budget)
             got = sum(
                 share * packed_loss(packed_token_logprobs(model, row, TEMPERATURE), row, CLIP)[0] for row, share in rows
             )
-            assert len(rows) == count and abs(float(expected - got)) <= 1e-9, budget
+            assert count is None or len(rows) == count, (budget, len(rows))
+            assert abs(float(expected - got)) <= 1e-9, budget
+            if budget == 1:  # every branch its own row: a plain causal sequence, no N x N mask
+                assert all(row.attention is None for row, _ in rows)

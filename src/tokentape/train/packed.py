@@ -28,7 +28,7 @@ __all__ = ["PackedBatch", "build_packed", "packed_groups", "packed_loss", "packe
 class PackedBatch:
     input_ids: Any  # LongTensor [1, N]
     position_ids: Any  # LongTensor [1, N]: each token's depth on its path
-    attention: Any  # float [1, 1, N, N]: 0 where a token may attend, the dtype's minimum elsewhere
+    attention: Any  # float [1, 1, N, N]: 0 where a token may attend, the dtype's minimum elsewhere; None: causal
     parents: Any  # LongTensor [N]: where each token is predicted from (-1: a root)
     mask: Any  # float [N]: trained on
     engine_logprobs: Any  # float [N]
@@ -65,8 +65,10 @@ def build_packed(samples: Sequence[Sample], advantages: Sequence[float], dtype: 
                 weight[at] += sample.loss_weight
             at = parents[at]
     float_type = dtype or torch.float32
-    blocked = ~attention_mask(parents)
-    attention = torch.zeros((1, 1, n, n), dtype=float_type).masked_fill_(blocked, torch.finfo(float_type).min)
+    attention = None  # one chain (a single branch): the model's own causal mask, no N x N tensor
+    if any(p != i - 1 for i, p in enumerate(parents)):
+        blocked = ~attention_mask(parents)
+        attention = torch.zeros((1, 1, n, n), dtype=float_type).masked_fill_(blocked, torch.finfo(float_type).min)
     return PackedBatch(
         input_ids=torch.tensor([row["tokens"]]),
         position_ids=torch.tensor([row["position_ids"]]),
@@ -81,40 +83,34 @@ def build_packed(samples: Sequence[Sample], advantages: Sequence[float], dtype: 
 
 
 def packed_groups(
-    samples: Sequence[Sample], advantages: Sequence[float], dtype: Any = None, *, max_tokens: int = 4096
+    samples: Sequence[Sample], advantages: Sequence[float], dtype: Any = None, *, max_tokens: int = 2048
 ) -> list[tuple[PackedBatch, float]]:
     """A batch as packed rows, each with its share of the batch's weighted trained tokens: the sum of
-    share x `packed_loss` over the rows is the per-branch batch's loss. Each group is packed whole
-    (its sessions share a prompt); small groups go together into one row (a forest) up to `max_tokens`
-    packed tokens, since one forward of many tokens costs less than many forwards of few."""
-    groups: dict[str, list[int]] = {}
-    for index, sample in enumerate(samples):
-        groups.setdefault(sample.group_id, []).append(index)
+    share x `packed_loss` over the rows is the per-branch batch's loss. Branches are taken group by
+    group (a group's sessions share a prompt) into rows of at most `max_tokens` packed tokens: small
+    groups share a row (a forest: one forward of many tokens costs less than many of few), a large
+    tree is split between rows by whole branches (the attention mask is dense: N x N). A branch longer
+    than `max_tokens` is a row of its own, a plain causal sequence."""
+    rank = {group: n for n, group in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    order = sorted(range(len(samples)), key=lambda i: rank[samples[i].group_id])  # stable: groups whole, in order
     bins: list[list[int]] = []
-    filled = 0
-    for members in groups.values():
-        size = len(
-            pack_branches(
-                [
-                    {
-                        "tokens": samples[i].tokens,
-                        "loss_mask": samples[i].mask,
-                        "logprobs": [None] * len(samples[i].tokens),
-                    }
-                    for i in members
-                ]
-            )["tokens"]
-        )
-        if bins and filled + size <= max_tokens:
-            bins[-1] += members
-            filled += size
+    for index in order:
+        if bins and _packed_size([samples[i] for i in (*bins[-1], index)]) <= max_tokens:
+            bins[-1].append(index)
         else:
-            bins.append(list(members))
-            filled = size
+            bins.append([index])
     rows = [build_packed([samples[i] for i in members], [advantages[i] for i in members], dtype) for members in bins]
     weights = [float((row.weight * row.mask).sum()) for row in rows]
     total = sum(weights) or 1.0
     return [(row, weight / total) for row, weight in zip(rows, weights, strict=True)]
+
+
+def _packed_size(samples: Sequence[Sample]) -> int:
+    branches = [
+        {"tokens": s.tokens, "loss_mask": s.mask, "logprobs": [None] * len(s.tokens), "rollout_id": s.session_id}
+        for s in samples
+    ]
+    return len(pack_branches(branches)["tokens"])
 
 
 def packed_token_logprobs(model: Any, batch: PackedBatch, temperature: float) -> Any:
