@@ -66,11 +66,10 @@ def check_sampling(export: dict[str, Any], branch: dict[str, Any], expected: Map
     under (`expected`: temperature, top_p, top_k, min_p): ValueError naming the turn otherwise, so a
     mismatch is an error, never a silent bias."""
     recorded = branch.get("sampling") or [None] * len(branch["turn_ids"])
-    for start, end in branch["action_ranges"]:
+    for k, (start, end) in enumerate(branch["action_ranges"]):
         if end <= start:
             continue  # nothing sampled: nothing to train on
-        # a turn whose sampled tokens a fork cut off has no range on this branch: look turns up by index
-        index = branch["turn_index"][start]
+        index = _turn_of(branch, k, start)
         turn, settings = branch["turn_ids"][index], recorded[index]
         where = f"session {export['session_id']} turn {turn}"
         if settings is None:
@@ -121,11 +120,10 @@ def samples_from_export(
         dropped = {"constrained": 0, "stale": 0}
         # per token (a turn continued across a weight update holds several versions; -1: not known)
         per_token: list[int] = branch.get("versions") or [-1] * len(tokens)
-        for start, end in branch["action_ranges"]:
+        for k, (start, end) in enumerate(branch["action_ranges"]):
             if end <= start:
                 continue
-            # ranges are the branch's sampled spans; a turn a fork cut short of its reply has none
-            index = branch["turn_index"][start]
+            index = _turn_of(branch, k, start)
             constrained, label = branch["constrained"][index], _version_number(branch["policy_versions"][index])
             for i in range(start, end):
                 number = per_token[i] if per_token[i] >= 0 else label
@@ -149,6 +147,15 @@ def samples_from_export(
             )
         )
     return samples
+
+
+def _turn_of(branch: dict[str, Any], k: int, start: int) -> int:
+    """The turn (its index in the branch's per-turn lists) of the k-th sampled span, which starts at
+    `start`. Spans and turns differ in number where a fork cut a turn's whole reply off the branch
+    (the turn is on the path with no sampled token): the per-token `turn_index` says which; a row
+    without it (built by hand) pairs them in order."""
+    turn_index = branch.get("turn_index")
+    return int(turn_index[start]) if turn_index else k
 
 
 def _version_number(version: Any) -> int | None:
