@@ -410,6 +410,7 @@ async def test_every_branch_is_its_own_output_for_the_transfer_queue_path(
         assert output.response_logprobs == want.logprobs and output.reward_score == 0.5
         fields = output.as_dict()  # what verl's TransferQueue worker stores for each output
         assert fields["rm_scores"][-1] == 0.5 and fields["rollout_log_probs"].shape == fields["responses"].shape
+    assert sum(output.extra_fields["loss_weight"] for output in outputs) == pytest.approx(1.0)  # one vote
 
 
 def test_a_branch_is_cut_to_response_length_and_a_long_prompt_moves_into_the_response() -> None:

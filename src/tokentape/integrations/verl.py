@@ -30,9 +30,11 @@ One episode is one session, named `verl-<pid>-<uuid>` so that two workers never 
 - `num_turns`: 2 per assistant turn (verl's tool loop counts the prompt, the assistant turns and the
   observations between them),
 - `extra_fields`: `min_global_steps`/`max_global_steps` over the sampled tokens kept (what verl's
-  staleness reads), `tokentape_versions` (per response token: the version that sampled it, -1 off
-  the mask), `tokentape_session_id`, `tokentape_status`, `tokentape_truncated`, `turn_scores` and
-  `tool_rewards` (empty: the keys verl's own loops always set).
+  staleness reads), `loss_weight` (the output's share of its episode's one vote: 1 / the episode's
+  outputs, so an episode that splits into several counts once), `tokentape_versions` (per response
+  token: the version that sampled it, -1 off the mask), `tokentape_session_id`, `tokentape_status`,
+  `tokentape_truncated`, `turn_scores` and `tool_rewards` (empty: the keys verl's own loops always
+  set).
 
 With `all_branches: true` (for verl's TransferQueue trainer, whose `run` may return a list) every
 branch of the session is its own output (a compacted history, a sub-agent, n>1 siblings), ordered by
@@ -258,7 +260,8 @@ class TokentapeAgentLoop(AgentLoopBase):
         if not self.all_branches and branches:
             branches = [last_branch(export)]
         ending = {"tokentape_session_id": session_id, "tokentape_status": status, "tokentape_error": error}
-        outputs = [self._output(b, reward, ending, metrics, logprobs) for b in branches]
+        # one vote per episode: its outputs' loss weights add up to 1 (verl applies them where its loss reads them)
+        outputs = [self._output(b, reward, ending, metrics, logprobs, 1.0 / len(branches)) for b in branches]
         if not outputs:
             outputs = [await self._untrained(gateway, prompt, reward, ending, metrics, logprobs)]
         if not worker.keeps_sessions:
@@ -275,6 +278,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         ending: dict[str, Any],
         metrics: AgentLoopMetrics,
         logprobs: bool,
+        loss_weight: float = 1.0,
     ) -> AgentLoopOutput:
         sample = verl_sample(branch, prompt_length=self.prompt_length, response_length=self.response_length)
         if ending["tokentape_status"] not in TRAINED:  # off the loss: no logprob, no version (staleness skips it)
@@ -296,6 +300,7 @@ class TokentapeAgentLoop(AgentLoopBase):
             extra_fields={
                 "min_global_steps": low,
                 "max_global_steps": high,
+                "loss_weight": loss_weight,
                 "tokentape_versions": sample.versions,
                 **ending,
                 "tokentape_truncated": sample.truncated
@@ -332,6 +337,7 @@ class TokentapeAgentLoop(AgentLoopBase):
             extra_fields={
                 "min_global_steps": None,
                 "max_global_steps": None,
+                "loss_weight": 1.0,
                 "tokentape_versions": [-1],
                 **ending,
                 "tokentape_truncated": ending["tokentape_status"] == "context_full",
