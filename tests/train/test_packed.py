@@ -188,7 +188,7 @@ async def test_packed_rows_give_the_per_branch_logprobs_loss_and_gradient(
     packed = build_packed(samples, _advantages(samples), dtype=torch.float64)
     logprobs, loss, gradient = _compare(model, samples, packed)
     assert logprobs <= 1e-9, shape
-    assert loss <= 1e-9 and gradient <= 1e-6, (shape, loss, gradient)  # the issue asks 1e-4 in float32
+    assert loss <= 1e-9 and gradient <= 1e-5, (shape, loss, gradient)  # ~1e-7 measured; 1e-4 is the bar asked
 
 
 async def test_a_token_that_sees_a_sibling_is_caught(model: Any, shapes: dict[str, list[Sample]]) -> None:
