@@ -66,11 +66,18 @@ class _Episode:
 
 @dataclass(slots=True)
 class CallTimes:
-    """Seconds spent inside `server_manager.generate`, and calls made (for the integration's cost)."""
+    """Seconds spent inside the trainer's own generate call, and calls made (for the integration's
+    cost): verl's `server_manager.generate`, SkyRL's inference client."""
 
     calls: int = 0
     seconds: float = 0.0
     per_call: list[float] = field(default_factory=list)
+
+    def record(self, spent: float) -> None:
+        self.calls += 1
+        self.seconds += spent
+        self.per_call.append(spent)
+        del self.per_call[:-10_000]  # the latest calls: enough for a median, bounded for a long run
 
 
 def verl_request(
@@ -222,12 +229,9 @@ class VerlEngine:
             raise EngineFailure(f"verl's server_manager.generate failed: {exc!r}") from exc
         finally:
             spent = time.perf_counter() - started
-            self.times.calls += 1
-            self.times.seconds += spent
+            self.times.record(spent)
             if episode is not None:
                 episode.seconds += spent
-            self.times.per_call.append(spent)
-            del self.times.per_call[:-10_000]
 
     def describe(self) -> dict[str, Any]:
         return {

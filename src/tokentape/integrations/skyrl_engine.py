@@ -28,11 +28,12 @@ import asyncio
 import numbers
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, SampledToken, vllm_logprob_mode
+from tokentape.engines.verl import CallTimes
 from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
 
 __all__ = ["InferenceClient", "SkyRLEngine", "skyrl_request"]
@@ -53,15 +54,6 @@ class _Episode:
     sampling: dict[str, Any]
     version: int | None  # the batch's global_step: the version where the client keeps none
     seconds: float = 0.0  # spent inside the client's generate
-
-
-@dataclass(slots=True)
-class CallTimes:
-    """Seconds spent inside the client's `generate`, and calls made (for the integration's cost)."""
-
-    calls: int = 0
-    seconds: float = 0.0
-    per_call: list[float] = field(default_factory=list)
 
 
 def skyrl_request(
@@ -204,12 +196,9 @@ class SkyRLEngine:
             raise EngineFailure(f"SkyRL's inference_engine_client.generate failed: {exc!r}") from exc
         finally:
             spent = time.perf_counter() - started
-            self.times.calls += 1
-            self.times.seconds += spent
+            self.times.record(spent)
             if episode is not None:
                 episode.seconds += spent
-            self.times.per_call.append(spent)
-            del self.times.per_call[:-10_000]
 
     def describe(self) -> dict[str, Any]:
         return {
