@@ -42,7 +42,7 @@ from tokentape.render.renderer import Renderer
 from tokentape.runtime import embedded_model_path, gguf_renderer, hf_renderer
 from tokentape.server.app import create_app
 from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
-from tokentape.train.packed import packed_groups, packed_loss, packed_token_logprobs
+from tokentape.train.packed import branch_rows, packed_groups, packed_loss, packed_token_logprobs
 
 WORDS = ["the", "agent", "reads", "a", "long", "history", "of", "tool", "calls", "and", "answers", "then"]
 WORDS += ["plans", "its", "next", "step"]
@@ -136,11 +136,6 @@ def into_vocabulary(samples: list[Sample], vocabulary: int) -> list[Sample]:
     ]
 
 
-def _branch(sample: Sample) -> dict[str, Any]:
-    logprobs = [lp if m else None for lp, m in zip(sample.engine_logprobs, sample.mask, strict=True)]
-    return {"tokens": sample.tokens, "loss_mask": sample.mask, "logprobs": logprobs, "rollout_id": sample.session_id}
-
-
 def advantages(samples: list[Sample]) -> list[float]:
     return [(-1.0) ** i * 0.5 for i in range(len(samples))]
 
@@ -195,7 +190,7 @@ def main() -> None:
         samples = into_vocabulary(samples, vocabulary)
         branch_tokens = sum(len(s.tokens) for s in samples)
         packed_tokens = sum(row.input_ids.shape[1] for row, _ in packed_groups(samples, advantages(samples)))
-        tree_tokens = len(pack_branches([_branch(s) for s in samples])["tokens"])  # format=packed: one row
+        tree_tokens = len(pack_branches(branch_rows(samples))["tokens"])  # format=packed: one row
         times: dict[bool, list[float]] = {False: [], True: []}
         if branch_tokens >= args.time_below:  # tokens only: the per-branch step would take minutes here
             saved = 1 - packed_tokens / branch_tokens

@@ -21,7 +21,7 @@ from typing import Any
 from tokentape.core.packed import attention_mask, pack_branches
 from tokentape.train.loss import Sample
 
-__all__ = ["PackedBatch", "build_packed", "packed_groups", "packed_loss", "packed_token_logprobs"]
+__all__ = ["PackedBatch", "branch_rows", "build_packed", "packed_groups", "packed_loss", "packed_token_logprobs"]
 
 
 @dataclass(slots=True)
@@ -41,17 +41,7 @@ def build_packed(samples: Sequence[Sample], advantages: Sequence[float], dtype: 
     """The packed row of `samples` (a group's branches, any number of sessions)."""
     import torch
 
-    branches = [
-        {
-            "tokens": s.tokens,
-            "loss_mask": [int(m) for m in s.mask],
-            "logprobs": [lp if m else None for lp, m in zip(s.engine_logprobs, s.mask, strict=True)],
-            "rollout_id": s.session_id,
-            "loss_weight": s.loss_weight,
-        }
-        for s in samples
-    ]
-    row = pack_branches(branches)
+    row = pack_branches(branch_rows(samples))
     parents: list[int] = row["parents"]
     n = len(parents)
     trained = [bool(m) and p >= 0 for m, p in zip(row["loss_mask"], parents, strict=True)]  # a root has no context
@@ -106,11 +96,21 @@ def packed_groups(
 
 
 def _packed_size(samples: Sequence[Sample]) -> int:
-    branches = [
-        {"tokens": s.tokens, "loss_mask": s.mask, "logprobs": [None] * len(s.tokens), "rollout_id": s.session_id}
+    return len(pack_branches(branch_rows(samples))["tokens"])
+
+
+def branch_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """The trainer's samples as the branches `pack_branches` merges (what it keys a shared token on)."""
+    return [
+        {
+            "tokens": s.tokens,
+            "loss_mask": [int(m) for m in s.mask],
+            "logprobs": [lp if m else None for lp, m in zip(s.engine_logprobs, s.mask, strict=True)],
+            "rollout_id": s.session_id,
+            "loss_weight": s.loss_weight,
+        }
         for s in samples
     ]
-    return len(pack_branches(branches)["tokens"])
 
 
 def packed_token_logprobs(model: Any, batch: PackedBatch, temperature: float) -> Any:
