@@ -205,3 +205,20 @@ async def test_fetching_holds_an_admission_slot(opened: App, sites: tuple[Site, 
     body: Any = (await _ask(opened, "full", f"{url}/gone.png")).json()
     assert body["error"]["code"] == "image_url_not_fetched"
     assert opened.gateway.admission.active == 0  # the slot is given back after a failed fetch
+
+
+HOSTILE_URLS = [
+    "http://[::1/x",  # not a URL
+    "http://example.com:99999/x",  # no such port
+    "http://" + "a" * 70 + ".example/x",  # a label past 63 characters
+    "https://x\x00y/",
+    "http://" + "a" * 1_000_000 + "/x",  # a megabyte of host
+    "http://0x7f000001/x",  # loopback spelled in hex
+    "http://2130706433/x",  # and as one number
+]
+
+
+@pytest.mark.parametrize("opened", [ImageLimits(allow_fetch=True)], indirect=True)
+@pytest.mark.parametrize("url", HOSTILE_URLS, ids=range(len(HOSTILE_URLS)))
+async def test_a_hostile_url_is_a_400_never_a_500(opened: App, url: str) -> None:
+    _refused(await _ask(opened, "hostile", url))

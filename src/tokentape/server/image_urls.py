@@ -167,7 +167,10 @@ async def _fetch(client: Any, url: str, rules: FetchRules, room: int) -> tuple[s
     """One image: each hop's host checked and connected to by the address checked."""
     import httpx
 
-    target = httpx.URL(url)
+    try:
+        target = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise FetchRefused(f"not a URL: {exc}") from None
     for _ in range(rules.max_redirects + 1):
         if target.scheme not in ("http", "https") or not target.host:
             raise FetchRefused(f"not an http(s) URL: {str(target)[:200]}")
@@ -178,7 +181,10 @@ async def _fetch(client: Any, url: str, rules: FetchRules, room: int) -> tuple[s
         try:
             async with client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
                 if response.status_code in _REDIRECTS and "location" in response.headers:
-                    target = target.join(response.headers["location"])
+                    try:
+                        target = target.join(response.headers["location"])
+                    except httpx.InvalidURL as exc:
+                        raise FetchRefused(f"redirected to no URL: {exc}") from None
                     continue
                 if response.status_code != 200:
                     raise FetchRefused(f"answered {response.status_code}")
@@ -206,7 +212,7 @@ async def _checked_address(host: str, port: int, rules: FetchRules) -> IPAddress
     except ValueError:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
+        except (OSError, UnicodeError, ValueError, OverflowError) as exc:  # no such name, a label too long, port 99999
             raise FetchRefused(f"{host} does not resolve: {exc}") from None
         addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     if not addresses:
