@@ -24,6 +24,7 @@ from tokentape.store.sqlite import SqliteStore
 __all__ = [
     "EMBEDDED_MODEL_FILE",
     "RuntimeSettings",
+    "assemble_gateway",
     "build_gateway",
     "embedded_model_path",
     "gguf_renderer",
@@ -79,6 +80,30 @@ def hf_renderer(directory: Path) -> Renderer:
     return renderer
 
 
+def assemble_gateway(
+    engine: Engine,
+    renderer: Renderer,
+    *,
+    rewrite_policy: RewritePolicy = "tape",
+    store_path: str = ":memory:",
+    memory: MemoryLimits | None = None,
+    max_active: int = 64,
+    match_prefix: bool = False,
+    clip_max_tokens: bool = False,
+) -> Gateway:
+    """A gateway over `engine`: its sessions (in a SQLite store, `:memory:` or a file), admission and
+    rendering. Every gateway tokentape builds is built here: the served one (`build_gateway`) and the
+    ones trainers' integrations run in their own process (`tokentape.integrations.inprocess`).
+    `clip_max_tokens`: a request whose `max_tokens` passes the room left gets that room (as trainers'
+    own servers clip it) instead of OpenAI's 400."""
+    registry = SessionRegistry(
+        rewrite_policy, SqliteStore(store_path), memory or MemoryLimits(), match_prefix=match_prefix
+    )
+    gateway = Gateway(engine, renderer, registry, max_active=max_active)
+    gateway.clip_max_tokens = clip_max_tokens
+    return gateway
+
+
 def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tuple[Gateway, str | None]:
     """The gateway and the model name it serves (None: whatever the remote engines serve). An
     `engine` given here (e.g. engines shared by a cluster) replaces the one the settings describe."""
@@ -86,16 +111,24 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
     if not path.is_file():
         raise NotFound(f"no model file at {path}")
     renderer = hf_renderer(settings.tokenizer_dir) if settings.tokenizer_dir else gguf_renderer(path)
-    registry = SessionRegistry(
-        settings.rewrite_policy, SqliteStore(settings.store_path), settings.memory, match_prefix=settings.match_prefix
-    )
+
+    def assemble(engine: Engine) -> Gateway:
+        return assemble_gateway(
+            engine,
+            renderer,
+            rewrite_policy=settings.rewrite_policy,
+            store_path=settings.store_path,
+            memory=settings.memory,
+            max_active=settings.max_active,
+            match_prefix=settings.match_prefix,
+        )
+
     if engine is not None:
         name = settings.served_model_name or (None if settings.engines else _file_model_name(settings, path))
-        return Gateway(engine, renderer, registry, max_active=settings.max_active), name
+        return assemble(engine), name
     if settings.engines:  # remote engines: tokentape renders and records; the engines only sample
         router = Router([make_engine(spec) for spec in settings.engines], vocab_size=renderer.tokenizer.vocab_size)
-        gateway = Gateway(router, renderer, registry, max_active=settings.max_active)
-        return gateway, settings.served_model_name
+        return assemble(router), settings.served_model_name
     engine = LlamaCppEngine(
         LlamaCppSettings(
             model_path=path,
@@ -109,8 +142,7 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
             f"the tokenizer's vocabulary ({renderer.tokenizer.vocab_size:,} tokens) does not fit the engine's "
             f"({engine.vocab_size:,}): pair a tokenizer with the model it belongs to"
         )
-    gateway = Gateway(engine, renderer, registry, max_active=settings.max_active)
-    return gateway, settings.served_model_name or _file_model_name(settings, path)
+    return assemble(engine), settings.served_model_name or _file_model_name(settings, path)
 
 
 def _file_model_name(settings: RuntimeSettings, path: Path) -> str:

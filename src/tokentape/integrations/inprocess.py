@@ -8,7 +8,11 @@ An episode never raises; it ends with a status:
 - `engine_error`: the trainer's own inference failed under the gateway (a dead server or actor:
   `error_reward`); an integration may fail the step on it instead, as the trainer's own loops would;
 - `error`: the agent raised (its traceback in `error`; `error_reward`).
-Only `done` and `context_full` are trained on: the others stay in their group with loss mask 0.
+An integration whose trainer cuts a sample shorter than the episode may end it `truncated`: the cut
+dropped the turn the agent ended on, so the reward the agent gave is not the sample's
+(`overflow_reward`, as for `context_full`; verl's `response_length`).
+Only `done`, `context_full` and `truncated` are trained on: the others stay in their group with loss
+mask 0.
 """
 
 from __future__ import annotations
@@ -23,31 +27,44 @@ import openai
 
 from tokentape.client import InProcessGateway
 from tokentape.engines.base import Engine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import MemoryLimits, SessionRegistry, check_policy
+from tokentape.gateway.sessions import MemoryLimits, check_policy
 from tokentape.render.renderer import Renderer
 from tokentape.rollout import context_overflow
-from tokentape.store.sqlite import SqliteStore
+from tokentape.runtime import assemble_gateway
 
 __all__ = ["ENGINE_CODES", "Episode", "Status", "TRAINED", "in_process_gateway", "plain", "refusal", "run_episode"]
 
-Status = Literal["done", "context_full", "refused", "engine_error", "error"]
-TRAINED: frozenset[str] = frozenset({"done", "context_full"})  # the statuses whose tokens go to the loss
+Status = Literal["done", "context_full", "truncated", "refused", "engine_error", "error"]
+TRAINED: frozenset[str] = frozenset({"done", "context_full", "truncated"})  # the statuses whose tokens go to the loss
 ENGINE_CODES = frozenset({"engine_error", "engine_protocol_error"})  # the trainer's inference failed
 MAX_ACTIVE = 1 << 20  # the trainer paces its own servers; the gateway adds no queue of its own
 IDLE_SECONDS = 600.0  # every session is finished and exported by its episode: none need outlive it
 
 
 def in_process_gateway(
-    engine: Engine, renderer: Renderer, *, rewrite_policy: str = "tape", store: str = ":memory:"
+    engine: Engine,
+    renderer: Renderer,
+    *,
+    rewrite_policy: str = "tape",
+    store: str = ":memory:",
+    memory: MemoryLimits | None = None,
+    max_active: int = MAX_ACTIVE,
+    model: str | None = None,
 ) -> InProcessGateway:
-    """A gateway over a trainer's engine, called in process (no port). `max_tokens` is clipped to the
-    room left, as the trainers' own servers clip it."""
-    limits = MemoryLimits(idle_seconds=IDLE_SECONDS)
-    sessions = SessionRegistry(check_policy(rewrite_policy), SqliteStore(store), limits)
-    core = Gateway(engine, renderer, sessions, max_active=MAX_ACTIVE)
-    core.clip_max_tokens = True
-    return InProcessGateway(gateway=core, model=engine.model_id)
+    """A gateway over a trainer's engine, called in process (no port), served as `model` (default:
+    the engine's model id); assembled as every gateway is (`tokentape.runtime.assemble_gateway`).
+    `max_tokens` is clipped to the room left, as the trainers' own servers clip it. `memory`: the
+    sessions' memory limits (default: idle sessions leave memory after `IDLE_SECONDS`)."""
+    core = assemble_gateway(
+        engine,
+        renderer,
+        rewrite_policy=check_policy(rewrite_policy),
+        store_path=store,
+        memory=memory or MemoryLimits(idle_seconds=IDLE_SECONDS),
+        max_active=max_active,
+        clip_max_tokens=True,
+    )
+    return InProcessGateway(gateway=core, model=model or engine.model_id)
 
 
 @dataclass(slots=True)

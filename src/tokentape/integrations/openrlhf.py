@@ -46,8 +46,8 @@ from tokentape.client import InProcessGateway
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken, vllm_logprob_mode
 from tokentape.errors import EngineFailure, InvalidRequest
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry, check_policy
+from tokentape.gateway.sessions import MemoryLimits, check_policy
+from tokentape.integrations.inprocess import in_process_gateway
 from tokentape.rollout import context_overflow, rendered_prompt
 from tokentape.runtime import hf_renderer
 
@@ -217,9 +217,11 @@ def agent_executor(
                         model_id=str(getattr(hf_tokenizer, "name_or_path", "") or Path(tokenizer_dir or "").name),
                         end_of_turn_ids=self._renderer.tokenizer.end_of_turn_ids,
                     )
-                    core = Gateway(engine, self._renderer, SessionRegistry(policy))
-                    core.clip_max_tokens = True  # OpenRLHF's executors clip max_tokens to the room left
-                    gateway = self.gateways[max_length] = InProcessGateway(gateway=core, model=engine.model_id)
+                    # OpenRLHF's executors clip max_tokens to the room left, as in_process_gateway does;
+                    # sessions stay in memory for the default hour, at most 64 requests at once
+                    gateway = self.gateways[max_length] = in_process_gateway(
+                        engine, self._renderer, rewrite_policy=policy, memory=MemoryLimits(), max_active=64
+                    )
                 current = gateway.gateway.engine
                 assert isinstance(current, VLLMEngine)
                 current.llm_engine, current.template = llm_engine, sampling_params

@@ -46,6 +46,11 @@ An episode never raises out of `run`; it ends with `tokentape_status`:
 - `context_full`: a request no longer fit (the episode's `response_length` is used up, or the prompt
   passed the servers' `prompt_length + response_length`). The branch so far, truncated, rewarded
   `overflow_reward`;
+- `truncated`: the agent returned, but the cut at `response_length` dropped some of what it sampled
+  on its last turn (a compacted history whose prompt is shorter than the episode's first: the room
+  each call gets is counted from the first prompt, the output from the branch's own). The sample is
+  what verl's own loops keep of a response that ran past `response_length`: trained, its reward
+  `overflow_reward` (None stays None: verl's reward manager scores the cut text, as for its loops);
 - `error` (the agent raised; the error in `tokentape_error`), `refused` (the gateway refused a
   request: its code in `tokentape_error`) and `engine_error` (`server_manager.generate` itself
   failed, a dead server or actor): the branch so far with `response_mask` all 0 (logprobs 0.0,
@@ -259,6 +264,9 @@ class TokentapeAgentLoop(AgentLoopBase):
         branches = sorted(export.get("branches", ()), key=lambda b: max(b["turn_ids"]))
         if not self.all_branches and branches:
             branches = [last_branch(export)]
+        if status == "done" and branches and self._cuts_last_turn(branches[-1]):
+            status = "truncated"  # the reward's turn is cut off: not the sample's reward
+            reward = None if reward is None else self.overflow_reward
         ending = {"tokentape_session_id": session_id, "tokentape_status": status, "tokentape_error": error}
         # one vote per episode: its outputs' loss weights add up to 1 (verl applies them where its loss reads them)
         outputs = [self._output(b, reward, ending, metrics, logprobs, 1.0 / len(branches)) for b in branches]
@@ -270,6 +278,14 @@ class TokentapeAgentLoop(AgentLoopBase):
         if status == "engine_error" and self.fail_on_engine_error:  # as verl's own loops fail the step
             raise RuntimeError(f"verl's server_manager.generate failed under episode {session_id}: {error}")
         return outputs if self.all_branches else outputs[-1]
+
+    def _cuts_last_turn(self, branch: Mapping[str, Any]) -> bool:
+        """Whether the cut at `response_length` drops a token sampled on the branch's last turn."""
+        ranges = branch.get("action_ranges") or ()
+        if not ranges:
+            return False
+        sample = verl_sample(branch, prompt_length=self.prompt_length, response_length=self.response_length)
+        return int(ranges[-1][1]) > len(sample.prompt_ids) + len(sample.response_ids)
 
     def _output(
         self,
