@@ -26,7 +26,12 @@ fills it, in the input's order:
   `trajectory_ids`, `trajectory_generation_times`, `rollout_metrics` (SkyRL's own plus
   `tokentape/*`), `env_metrics` (empty dicts), and beside them `tokentape_versions` (per response
   token, the weights version that sampled it, -1 off the mask), `tokentape_status` and
-  `tokentape_session_ids` per row (SkyRL carries extra list keys along).
+  `tokentape_session_ids` per row (SkyRL carries extra list keys along);
+- images (merged mode): `pixel_values` and `image_grid_thw`, one tensor per row as SkyRL's VLM
+  generator fills them (the processor's outputs for the row's runs, in order; empty tensors for a row
+  without images in a batch with some; both keys left out of a batch without images). The engine
+  sends each prompt's images to SkyRL's servers as `mm_features`. Step-wise rows carry none in SkyRL
+  0.3.0 (its merge asserts so): there a request with an image is refused (`images_not_supported`).
 
 Failures follow `tokentape.integrations.inprocess`: an agent that raises, a refused request, an
 engine error end their rollout with a status, the rollout stays in its group as rows with loss mask
@@ -40,8 +45,10 @@ as in SkyRL's generator.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
+import io
 import sys
 import time
 import typing
@@ -51,6 +58,7 @@ from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typing_extensions
 
 from tokentape.client import InProcessGateway
@@ -83,6 +91,11 @@ from skyrl.train.generators.utils import apply_overlong_filtering, get_rollout_m
 __all__ = ["SkyRLRow", "TokentapeGenerator", "merged_row", "step_rows"]
 
 Agent = Callable[..., Awaitable[float | None]]  # (client, prompt) or (client, prompt, row)
+STEP_WISE_IMAGES = (
+    "SkyRL 0.3.0's step-wise trajectories carry no images (its step-wise merge asserts pixel_values and "
+    "image_grid_thw are None, and its SkyRLVLMGymGenerator refuses step_wise_trajectories): train a vision "
+    "agent with generator.step_wise_trajectories=false"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +108,12 @@ class SkyRLRow:
     logprobs: list[float]  # 0.0 off the mask
     versions: list[int]  # per response token; -1 off the mask
     stop_reason: str
+    images: tuple[str, ...] = ()  # data: URLs, one per placeholder run of the row, in order
 
 
 def _untrain(row: SkyRLRow, stop_reason: str) -> SkyRLRow:
     n = len(row.response_ids)
-    return SkyRLRow(row.prompt_ids, row.response_ids, [0] * n, [0.0] * n, [-1] * n, stop_reason)
+    return replace(row, loss_mask=[0] * n, logprobs=[0.0] * n, versions=[-1] * n, stop_reason=stop_reason)
 
 
 def _row(
@@ -123,11 +137,16 @@ def _stop(finish_reason: Any) -> str:
 
 
 def merged_row(branch: Mapping[str, Any]) -> SkyRLRow:
-    """A branch as one SkyRL row: the prompt up to its first sampled token, the rest the response."""
+    """A branch as one SkyRL row: the prompt up to its first sampled token, the rest the response;
+    its images (one per placeholder run, in order) for the row's `pixel_values`."""
     mask = list(branch["loss_mask"])
     first = next((i for i, m in enumerate(mask) if m), len(mask))
     stop = _stop(branch["finish_reasons"][-1] if branch["finish_reasons"] else None)
-    return _row(branch["tokens"], mask, branch["logprobs"], branch["versions"], first, stop)
+    row = _row(branch["tokens"], mask, branch["logprobs"], branch["versions"], first, stop)
+    runs = sorted(
+        zip(branch.get("image_runs") or (), branch.get("images") or (), strict=True), key=lambda r: r[0]["start"]
+    )
+    return replace(row, images=tuple(url for _, url in runs))
 
 
 def step_rows(export: Mapping[str, Any]) -> list[SkyRLRow]:
@@ -156,6 +175,7 @@ class _Trajectory:
     session_id: str
     seconds: float
     error: str | None
+    vision: list[tuple[Any, Any] | None]  # per row: (pixel_values, image_grid_thw), None where no image
 
 
 def _config(cfg: Any, name: str, default: Any) -> Any:
@@ -228,6 +248,7 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
                     max_generate_length=self.max_generate_length,
                     end_of_turn_ids=renderer.tokenizer.end_of_turn_ids,
                     logprobs_mode=self.logprobs_mode,
+                    images_refused=STEP_WISE_IMAGES if self.step_wise else None,
                 )
                 return in_process_gateway(self.engine, renderer, rewrite_policy=self.rewrite_policy, store=self.store)
 
@@ -301,7 +322,18 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
             with contextlib.suppress(TokentapeError):
                 await gateway.gateway.sessions.delete(session_id)
         reward = 0.0 if episode.reward is None else episode.reward
-        return _Trajectory(rows, reward, episode.status, session_id, time.monotonic() - started, episode.error)
+        vision = [await self._vision(gateway, row.images) if row.images else None for row in rows]
+        seconds = time.monotonic() - started
+        return _Trajectory(rows, reward, episode.status, session_id, seconds, episode.error, vision)
+
+    async def _vision(self, gateway: InProcessGateway, urls: Sequence[str]) -> tuple[Any, Any]:
+        """A row's `pixel_values` ([patches, dim]) and `image_grid_thw` ([images, 3]) as SkyRL's VLM
+        generator hands them to its trainer: its images' processor outputs, concatenated in run order,
+        from the processor that expanded the runs (the gateway's)."""
+        vision = gateway.gateway.renderer.vision
+        if vision is None:  # images on the tape need a renderer with vision: not reached
+            raise RuntimeError("the gateway's renderer has no image processor for the images it recorded")
+        return await asyncio.to_thread(_processed, vision, urls)
 
     async def _rows(self, gateway: InProcessGateway, episode: Episode, messages: Any) -> list[SkyRLRow]:
         branches = episode.export.get("branches") or []
@@ -323,6 +355,9 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
             prompt_ids = (await rendered_prompt(gateway, messages))[-self.max_input_length :]
         except Exception:  # a prompt the gateway cannot render: an empty one
             prompt_ids = []
+        vision = gateway.gateway.renderer.vision
+        if vision is not None and not vision.vision_token_ids.isdisjoint(prompt_ids):
+            prompt_ids = []  # an image's placeholders without its pixels: the model's forward would refuse them
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return SkyRLRow(prompt_ids, [0 if eos is None else int(eos)], [0], [0.0], [-1], "length")
 
@@ -358,6 +393,9 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
             "tokentape_status": [t.status for t, _, _, _ in rows],
             "tokentape_session_ids": [t.session_id for t, _, _, _ in rows],
         }
+        vision = [t.vision[j] for t in trajectories for j in range(len(t.rows))]
+        if any(v is not None for v in vision):  # as SkyRL's VLM generator: only in a batch with images
+            output["pixel_values"], output["image_grid_thw"] = _vision_columns(vision)
         return typing.cast(GeneratorOutput, output)
 
     def _metrics(self, trajectories: list[_Trajectory], rows: list[Any]) -> dict[str, float]:
@@ -371,3 +409,26 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
             metrics["tokentape/straddled_calls"] = float(self.engine.straddled_calls)
             metrics["tokentape/resumed_calls"] = float(self.engine.resumed)
         return metrics
+
+
+def _processed(vision: Any, urls: Sequence[str]) -> tuple[Any, Any]:
+    """The processor's `pixel_values` and `image_grid_thw` for images given as data: URLs, as tensors."""
+    import torch
+    from PIL import Image
+
+    opened = [Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB") for url in urls]
+    result = vision.processor(images=opened, return_tensors="np")
+    pixels = torch.from_numpy(np.ascontiguousarray(result["pixel_values"]))
+    grids = torch.from_numpy(np.ascontiguousarray(result["image_grid_thw"], dtype=np.int64)).reshape(-1, 3)
+    return pixels, grids
+
+
+def _vision_columns(vision: Sequence[tuple[Any, Any] | None]) -> tuple[list[Any], list[Any]]:
+    """One tensor per row, as SkyRL's `TensorList` needs (a None entry breaks it): a row without images
+    gets no patches ([0, dim]) and no grids ([0, 3])."""
+    import torch
+
+    pixels, _ = next(v for v in vision if v is not None)
+    none = torch.zeros((0, *pixels.shape[1:]), dtype=pixels.dtype)
+    no_grid = torch.zeros((0, 3), dtype=torch.int64)
+    return [none if v is None else v[0] for v in vision], [no_grid if v is None else v[1] for v in vision]

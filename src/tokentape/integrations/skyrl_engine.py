@@ -15,6 +15,14 @@ InferenceEngineOutput` (`RemoteInferenceClient`: vLLM's token route behind SkyRL
 - `stop_reasons`: vLLM's `stop`/`length`; the gateway reads which from the tokens. `abort` (servers
   paused in abort mode for a weight sync) is resumed with the tokens so far appended to the prompt,
   for what is left of `max_tokens`; keep-mode pauses need nothing (the call just takes longer).
+- Images: a prompt's images go to SkyRL's servers as its own Tinker sample path sends them
+  (`RemoteInferenceClient._render_for_sample`): the images alone are rendered by the client's
+  `render_chat_completion` (vLLM's render route: its processor's placeholder runs and serialized
+  `pixel_values`/`image_grid_thw`), and the call's `mm_features` carry those features with each
+  image's placeholder range moved to where the gateway's run of it sits in the prompt. A run the
+  servers' processor makes of another length than the gateway's is an `EngineProtocolError`
+  (tokentape's and vLLM's processor settings differ). `images_refused` (a reason) refuses images
+  with that reason instead (SkyRL's step-wise path carries none).
 - Versions: the client's `weight_version` (weight syncs so far), read when a call is sent and when
   it returns; the same both times, it labels every token of the call. A call that spans a sync (a
   keep-mode pause) gets the older version and counts in `straddled_calls`: the client does not say
@@ -31,8 +39,9 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokentape.core.export import data_url
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, SampledToken, vllm_logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
 from tokentape.engines.verl import CallTimes
 from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
 
@@ -72,6 +81,8 @@ def skyrl_request(
 
 
 class SkyRLEngine:
+    takes_images = True  # as `mm_features` (`base.takes_images`); refused where `images_refused` says why
+
     def __init__(
         self,
         client: InferenceClient,
@@ -83,8 +94,10 @@ class SkyRLEngine:
         end_of_turn_ids: frozenset[int],
         logprobs_mode: str = "raw_logprobs",
         resume_delay: float = 1.0,
+        images_refused: str | None = None,
     ) -> None:
         self.client = client
+        self.images_refused = images_refused
         self._model_id = model_id
         self.model = model  # passed as `model=`: SkyRL's policy model name or LoRA adapter (None: the client's)
         self.max_input_length = max_input_length
@@ -130,6 +143,7 @@ class SkyRLEngine:
         session_id: str | None = None,
         constraint: Constraint | None = None,
         whole: bool = False,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         if constraint is not None:
             raise InvalidRequest(
@@ -140,6 +154,7 @@ class SkyRLEngine:
                 f"the prompt has {len(prompt)} tokens, past SkyRL's max_input_length of {self.max_input_length}",
                 param="messages",
             )
+        features = await self.features(prompt, images, session_id) if images else None
         episode = self._episodes.get(session_id or "")
         trainer = episode.sampling if episode is not None else {}
         wanted = (
@@ -152,7 +167,7 @@ class SkyRLEngine:
                 trainer, params, max_tokens=wanted - len(sampled), seed=seed, stop_ids=self._end_of_turn
             )
             before = self._version(episode)
-            output = await self._call(session_id, [*prompt, *sampled], request, episode)
+            output = await self._call(session_id, [*prompt, *sampled], request, episode, features)
             after = self._version(episode)
             tokens = [int(t) for t in output["response_ids"][0]]
             logprobs = (output.get("response_logprobs") or [None])[0]
@@ -182,10 +197,67 @@ class SkyRLEngine:
         )
         return vllm_logprob_mode(params, self.logprobs_mode)
 
+    async def features(
+        self, prompt: Sequence[int], images: Sequence[PromptImage], session_id: str | None
+    ) -> dict[str, Any]:
+        """SkyRL's `MultiModalFeatures` of a prompt's images: rendered by the client, placed at the
+        gateway's runs (the pad tokens between each run's vision markers)."""
+        if self.images_refused:
+            raise InvalidRequest(self.images_refused, param="messages", code="images_not_supported")
+        render = getattr(self.client, "render_chat_completion", None)
+        if render is None:
+            raise InvalidRequest(
+                "SkyRL's inference client has no render_chat_completion: its servers cannot be given images",
+                param="messages",
+                code="images_not_supported",
+            )
+        ordered = sorted(images, key=lambda image: image.run.start)
+        parts = [{"type": "image_url", "image_url": {"url": data_url(image.image)}} for image in ordered]
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": parts}]}
+        if self.model is not None:
+            body["model"] = self.model
+        if session_id:
+            body["session_id"] = session_id  # routed where the session's calls go
+        try:
+            rendered: Mapping[str, Any] = await render({"json": body})
+        except (asyncio.CancelledError, InvalidRequest):
+            raise
+        except Exception as exc:
+            raise EngineFailure(f"SkyRL's inference_engine_client.render_chat_completion failed: {exc!r}") from exc
+        features = rendered.get("features") or {}
+        rendered_ids = list(rendered.get("token_ids") or ())
+        placeholders = list((features.get("mm_placeholders") or {}).get("image") or ())
+        if len(placeholders) != len(ordered):
+            raise EngineProtocolError(
+                f"SkyRL's render route placed {len(placeholders)} image(s) for the {len(ordered)} sent"
+            )
+        ranges: list[dict[str, int]] = []
+        for image, placed in zip(ordered, placeholders, strict=True):
+            offset, length = image.run.start + 1, image.run.length - 2  # the pads inside the markers
+            theirs = rendered_ids[int(placed["offset"]) : int(placed["offset"]) + int(placed["length"])]
+            if int(placed["length"]) != length or theirs != list(prompt[offset : offset + length]):
+                raise EngineProtocolError(
+                    f"SkyRL's servers make {placed['length']} placeholder tokens of image {image.image.digest[:12]}, "
+                    f"the gateway's processor {length}: give both the same processor settings"
+                )
+            ranges.append({"offset": offset, "length": length})
+        return {
+            "mm_hashes": features.get("mm_hashes") or {},
+            "mm_placeholders": {"image": ranges},
+            "kwargs_data": features.get("kwargs_data"),
+        }
+
     async def _call(
-        self, session_id: str | None, prompt: list[int], request: dict[str, Any], episode: _Episode | None
+        self,
+        session_id: str | None,
+        prompt: list[int],
+        request: dict[str, Any],
+        episode: _Episode | None,
+        features: dict[str, Any] | None = None,
     ) -> Mapping[str, Any]:
-        batch = {"prompt_token_ids": [prompt], "sampling_params": request, "session_ids": [session_id]}
+        batch: dict[str, Any] = {"prompt_token_ids": [prompt], "sampling_params": request, "session_ids": [session_id]}
+        if features is not None:
+            batch["mm_features"] = [features]
         started = time.perf_counter()
         try:
             output: Mapping[str, Any] = await self.client.generate(batch, model=self.model)
