@@ -3,11 +3,13 @@ top of the whole history's (the repeats), through the images route on the fake v
 (the real Qwen2-VL tokenizer and processor, the SQLite store). The gateway runs with a small
 `--max-memory-bytes` so that the budget is reached early and held for most of the run.
 
-Reported: the process's RSS and the bytes the sessions in memory hold, sampled over the run (a
-curve), their peaks, the sessions that left memory, and the check that nothing acknowledged was
-lost (every session's export, read back from the store at the end, holds every turn it was answered).
+Reported: the process's RSS and the bytes the gateway holds against its budget (sessions' trees,
+retry records, image bytes cached or waiting for their write), sampled over the run (a curve), their
+peaks, the sessions that left memory, the distinct images the store holds (each once), and the check
+that nothing acknowledged was lost (every session's export, read back from the store at the end,
+holds every turn it was answered).
 
-    .venv/bin/python benchmarks/memory_soak.py [--sessions 100] [--turns 30] [--concurrency 8] \
+    .venv/bin/python benchmarks/memory_soak.py [--sessions 1000] [--turns 30] [--concurrency 8] \
         [--budget-mib 128] [--png docs/figures/memory-soak.png]
 """
 
@@ -67,7 +69,7 @@ async def soak(sessions: int, turns: int, concurrency: int, budget: int) -> dict
     bases = [Image.open(io.BytesIO(screenshot(i))).convert("RGB") for i in range(6)]
     fake_engines.CONTEXT = 1 << 20  # 30 whole screenshots of ~1,300 tokens each
     engine = Engine()
-    samples: list[tuple[float, int, int, int]] = []  # seconds, RSS, bytes held, sessions in memory
+    samples: list[tuple[float, int, int, int, int]] = []  # seconds, RSS, bytes held, in memory, image cache
     answered = [0] * sessions
     refused = 0
     with serving(vllm_app(engine.state)) as url:
@@ -78,7 +80,8 @@ async def soak(sessions: int, turns: int, concurrency: int, budget: int) -> dict
         async def sample() -> None:
             while True:
                 held = gateway.sessions
-                samples.append((time.monotonic() - started, rss_bytes(), held.held_bytes, len(held)))
+                cached = held.images.held_bytes
+                samples.append((time.monotonic() - started, rss_bytes(), held.held_bytes, len(held), cached))
                 await asyncio.sleep(1.0)
 
         async def agent(n: int) -> None:
@@ -121,6 +124,8 @@ async def soak(sessions: int, turns: int, concurrency: int, budget: int) -> dict
                 export = (await http.get(f"/sessions/gui-{n}/export")).json()
                 lost += answered[n] - export["summary"]["turns"]
         evicted = gateway.sessions.evicted
+        stored = await gateway.sessions.store.image_stats()
+        store_reads = gateway.sessions.images.store_reads
         await gateway.aclose()
     return {
         "samples": samples,
@@ -130,6 +135,11 @@ async def soak(sessions: int, turns: int, concurrency: int, budget: int) -> dict
         "budget": budget,
         "peak_rss": max(s[1] for s in samples),
         "peak_held": max(s[2] for s in samples),
+        "peak_image_cache": max(s[4] for s in samples),
+        "min_rss_after_warmup": min(s[1] for s in samples[len(samples) // 10 :]),
+        "stored_images": stored["images"],
+        "stored_image_bytes": stored["bytes"],
+        "image_store_reads": store_reads,
         "evicted": evicted,
         "refused_429": refused,
         "acknowledged": sum(answered),
@@ -146,7 +156,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     seconds = [s[0] for s in result["samples"]]
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=120)
     ax.plot(seconds, [s[1] / 2**20 for s in result["samples"]], label="process RSS")
-    ax.plot(seconds, [s[2] / 2**20 for s in result["samples"]], label="held by sessions in memory")
+    ax.plot(seconds, [s[2] / 2**20 for s in result["samples"]], label="held against the budget")
+    ax.plot(seconds, [s[4] / 2**20 for s in result["samples"]], label="of which image bytes (cache)")
     ax.axhline(result["budget"] / 2**20, color="grey", linestyle="--", label="--max-memory-bytes")
     ax.set_xlabel("seconds")
     ax.set_ylabel("MiB")
@@ -158,7 +169,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--budget-mib", type=int, default=128)
@@ -167,9 +178,9 @@ def main() -> None:
     result = asyncio.run(soak(args.sessions, args.turns, args.concurrency, args.budget_mib * 2**20))
     samples = result.pop("samples")
     step = max(1, len(samples) // 12)
-    print(f"{'seconds':>8} {'RSS MiB':>8} {'held MiB':>9} {'in memory':>10}")
-    for seconds, rss, held, live in samples[::step]:
-        print(f"{seconds:8.0f} {rss / 2**20:8.0f} {held / 2**20:9.1f} {live:10d}")
+    print(f"{'seconds':>8} {'RSS MiB':>8} {'held MiB':>9} {'in memory':>10} {'images MiB':>11}")
+    for seconds, rss, held, live, cached in samples[::step]:
+        print(f"{seconds:8.0f} {rss / 2**20:8.0f} {held / 2**20:9.1f} {live:10d} {cached / 2**20:11.1f}")
     for name, value in result.items():
         print(f"{name:>14}: {value:,.0f}" if isinstance(value, (int, float)) else f"{name:>14}: {value}")
     if args.png is not None:

@@ -35,3 +35,14 @@ def test_the_entry_bound_holds_too() -> None:
     for n in range(10):
         cache.put(n, n)
     assert len(cache) == 3 and [cache.get(n) for n in range(7, 10)] == [7, 8, 9] and cache.get(6) is None
+
+
+def test_a_smaller_bound_drops_the_least_recently_used_at_once() -> None:
+    cache: BoundedCache[str, bytes] = BoundedCache(10, len)
+    cache.put("a", b"xxxx")
+    cache.put("b", b"xxxx")
+    assert cache.get("a") == b"xxxx"
+    cache.resize(5)
+    assert cache.get("b") is None and cache.get("a") == b"xxxx" and cache.held_bytes == 4
+    cache.resize(0)
+    assert len(cache) == 0 and cache.held_bytes == 0

@@ -15,7 +15,7 @@ from tests.conftest import MODEL_NAME
 from tokentape.core.session import BYTES_PER_TOKEN
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
+from tokentape.gateway.sessions import REPLAY_RECORD_BYTES, UNNAMED_RECORD_BYTES, MemoryLimits, SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
@@ -103,3 +103,32 @@ async def test_when_running_sessions_hold_the_budget_new_work_waits(
     busy.in_flight -= 1
     registry.limits = MemoryLimits()
     assert (await http.post("/sessions/other/v1/chat/completions", json=_turn("Hello there"))).status_code == 200
+
+
+async def test_retry_records_count_toward_the_budget(renderer: Renderer, tmp_path: Path) -> None:
+    """A session's retry records (its latest request per retry key) are part of what it holds, and
+    so is the registry's record of the session each unnamed request opened."""
+    gateway, registry, http = await _open(renderer, tmp_path, 1 << 30)
+    async with http:
+        for text in ("Hello there", "Hello again"):
+            assert (await http.post("/sessions/keys/v1/chat/completions", json=_turn(text))).status_code == 200
+        session = registry.in_memory("keys")
+        assert session is not None and len(session.latest) == 2
+        assert session.held_bytes == session.tree.held_bytes + 2 * REPLAY_RECORD_BYTES
+        assert registry.held_bytes == session.held_bytes
+        assert (await http.post("/v1/chat/completions", json=_turn("Who are you?"))).status_code == 200
+        unnamed = [s for s in registry._sessions.values() if s.id != "keys"]
+        assert len(unnamed) == 1
+        expected = session.held_bytes + unnamed[0].held_bytes + UNNAMED_RECORD_BYTES
+        assert registry.held_bytes == expected
+    await gateway.aclose()
+
+
+async def test_unnamed_retry_records_are_bounded_by_the_budget(renderer: Renderer, tmp_path: Path) -> None:
+    gateway, registry, http = await _open(renderer, tmp_path, 1 << 30)
+    async with http:
+        registry.limits = MemoryLimits(max_bytes=64 * 3 * UNNAMED_RECORD_BYTES)  # room for three records
+        for n in range(5):
+            assert (await http.post("/v1/chat/completions", json=_turn(f"Hello {n}"))).status_code == 200
+        assert len(registry._unnamed) == 3
+    await gateway.aclose()

@@ -93,8 +93,9 @@ def serve(
     max_memory_bytes: Annotated[
         int,
         typer.Option(
-            help="Bytes the sessions in memory may hold (tokens and images); past it the least recently used "
-            "leave memory (they stay in the store), and if the running ones alone hold it, new requests get 429."
+            help="Bytes the gateway may hold in memory (sessions' tokens, retry records, cached image bytes); past "
+            "it the least recently used sessions leave memory (they stay in the store), and if the running ones "
+            "alone hold it, new requests get 429."
         ),
     ] = 4 * 1024**3,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,

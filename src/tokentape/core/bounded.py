@@ -40,6 +40,12 @@ class BoundedCache(Generic[K, V]):
             self._items.move_to_end(key)
             return found[0]
 
+    def resize(self, max_bytes: int) -> None:
+        """A new bound; what is past it leaves now, least recently used first."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._shrink()
+
     def put(self, key: K, value: V) -> None:
         size = self._size_of(value)
         with self._lock:
@@ -50,9 +56,12 @@ class BoundedCache(Generic[K, V]):
                 return
             self._items[key] = (value, size)
             self.held_bytes += size
-            while self.held_bytes > self.max_bytes or (
-                self.max_items is not None and len(self._items) > self.max_items
-            ):
-                _, (_, dropped) = self._items.popitem(last=False)
-                self.held_bytes -= dropped
-                self.dropped += 1
+            self._shrink()
+
+    def _shrink(self) -> None:
+        while self._items and (
+            self.held_bytes > self.max_bytes or (self.max_items is not None and len(self._items) > self.max_items)
+        ):
+            _, (_, dropped) = self._items.popitem(last=False)
+            self.held_bytes -= dropped
+            self.dropped += 1

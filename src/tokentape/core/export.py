@@ -47,7 +47,7 @@ def image_fields(branch: BranchView, images: Mapping[str, DecodedImage]) -> dict
     `images`, one per occurrence in token order, the image as a data URL (the same image shown twice
     is two entries, as the prompt holds two runs); `image_grid_thw`, the processor's grid of each;
     `image_runs`, each run's [start, end) in `tokens` with its image's digest. Every run is prompt or
-    bridge, so the loss mask is 0 all over it."""
+    bridge, so the loss mask is 0 all over it. `images`: the images' bytes by digest."""
     if not branch.images:
         return {}
     return {
@@ -98,9 +98,10 @@ def export_branch(branch: BranchView, images: Mapping[str, DecodedImage] | None 
     }
 
 
-def export_session(tree: SessionTree) -> dict[str, Any]:
+def export_session(tree: SessionTree, images: Mapping[str, DecodedImage] | None = None) -> dict[str, Any]:
     """The native export of one session. Each branch's `loss_weight` is its share of the session's
-    one vote (1 / branches: `core.rollouts`, rule `rows`)."""
+    one vote (1 / branches: `core.rollouts`, rule `rows`). `images`: the bytes of the images the
+    session shows, by digest (the tree holds their facts only; `ImageLibrary.read_all` reads them)."""
     branches = tree.branches()
     return {
         "schema_version": EXPORT_SCHEMA_VERSION,
@@ -109,7 +110,7 @@ def export_session(tree: SessionTree) -> dict[str, Any]:
         "summary": tree.summary(),
         "branches": [
             {
-                **export_branch(branch, tree.images),
+                **export_branch(branch, images),
                 "reward": tree.outcome.branch_reward(branch.leaf.id),
                 "loss_weight": 1.0 / len(branches),
             }

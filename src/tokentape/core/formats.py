@@ -26,11 +26,13 @@ separate branch and so a separate sample in every format.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION, common_logprob_mode, export_branch, image_fields
+from tokentape.core.images import DecodedImage
 from tokentape.core.packed import pack_branches
 from tokentape.core.rollouts import Weighting, loss_weights
 from tokentape.core.session import SessionTree
@@ -54,12 +56,17 @@ def check_format(value: str) -> Format:
     raise InvalidRequest(f"format must be one of {', '.join(FORMATS)}", param="format")
 
 
+_NO_IMAGES: Mapping[str, DecodedImage] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One branch of one session with everything known about the episode."""
+    """One branch of one session with everything known about the episode; `images`: the bytes of
+    the images it shows, by digest (the tree keeps their facts only)."""
 
     tree: SessionTree
     branch: BranchView
+    images: Mapping[str, DecodedImage] = field(default_factory=lambda: _NO_IMAGES)
 
     @property
     def reward(self) -> float | None:
@@ -88,13 +95,15 @@ class Sample:
         }
 
 
-def samples_of(trees: Iterable[SessionTree]) -> list[Sample]:
-    return [Sample(tree, branch) for tree in trees for branch in tree.branches()]
+def samples_of(trees: Iterable[SessionTree], images: Mapping[str, DecodedImage] | None = None) -> list[Sample]:
+    """Every branch of `trees`; `images`: the bytes of the images they show, by digest."""
+    shown = _NO_IMAGES if images is None else images
+    return [Sample(tree, branch, shown) for tree in trees for branch in tree.branches()]
 
 
 def _tokentape(sample: Sample) -> dict[str, Any]:
     turn_rewards = sample.tree.outcome.turn_rewards
-    branch = export_branch(sample.branch, sample.tree.images)
+    branch = export_branch(sample.branch, sample.images)
     row = {**sample.head(), **branch, "logprob_mode": common_logprob_mode(branch["logprob_modes"])}
     row["turn_rewards"] = [turn_rewards.get(node.id) for node in sample.branch.nodes]
     return row
@@ -108,7 +117,7 @@ def _openrlhf(sample: Sample) -> dict[str, Any]:
         "action_ranges": [list(r) for r in branch.action_ranges()],
         "rollout_log_probs": [0.0 if lp is None else lp for lp in branch.logprobs],
         "truncated": branch.leaf.finish_reason == "length",
-        **image_fields(branch, sample.tree.images),
+        **image_fields(branch, sample.images),
     }
 
 
@@ -125,7 +134,7 @@ def _verifiers(sample: Sample) -> dict[str, Any]:
         "completion_mask": mask[split:],
         "completion_logprobs": [0.0 if lp is None else lp for lp in branch.logprobs[split:]],
         "is_truncated": branch.leaf.finish_reason == "length",
-        **image_fields(branch, sample.tree.images),
+        **image_fields(branch, sample.images),
     }
 
 

@@ -3,7 +3,10 @@ path, and the one expansion of a rendered placeholder into the run the model's p
 
 Inside the gateway an image part is `{"type": "image", "image": <digest>}`: the digest (SHA-256 of
 the bytes as sent) names the image, so message identity (the hash chain) tells a changed image from
-the same one sent again, and the bytes live once per session, not once per message. A chat template
+the same one sent again. A session's tree keeps only each image's facts (`ImageFacts`: digest, type,
+size in bytes and pixels); the bytes live once in the store, whatever the number of sessions showing
+the image, and are read back by digest when an engine or an export needs them
+(`store.images.ImageLibrary`). A chat template
 renders one placeholder per image part (Qwen2-VL: `<|vision_start|><|image_pad|><|vision_end|>`);
 `expand_placeholders` turns each single pad into the processor's count, once, on the turn that
 brings the image. Earlier turns' runs are recorded tokens and are never expanded again.
@@ -20,6 +23,7 @@ from tokentape.core.messages import Message
 __all__ = [
     "IMAGE_PART",
     "DecodedImage",
+    "ImageFacts",
     "ImageRun",
     "expand_placeholders",
     "has_images",
@@ -33,6 +37,17 @@ IMAGE_PART = "image"
 
 
 @dataclass(frozen=True, slots=True)
+class ImageFacts:
+    """What a session's tree keeps of an image: everything but its bytes (`size`: how many)."""
+
+    digest: str  # SHA-256 of the bytes, hex
+    media_type: str
+    width: int
+    height: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class DecodedImage:
     """An image a client sent, checked: its bytes as sent, what they are, and its size in pixels."""
 
@@ -41,6 +56,10 @@ class DecodedImage:
     media_type: str  # image/png, image/jpeg, image/gif, image/webp
     width: int
     height: int
+
+    @property
+    def facts(self) -> ImageFacts:
+        return ImageFacts(self.digest, self.media_type, self.width, self.height, len(self.data))
 
 
 @dataclass(frozen=True, slots=True)

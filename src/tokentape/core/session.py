@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokentape.core.digests import ChainCache
-from tokentape.core.images import DecodedImage, ImageRun
+from tokentape.core.images import ImageFacts, ImageRun
 from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
 from tokentape.core.tape import (
@@ -79,6 +79,9 @@ def common_prefix_length(a: Sequence[object], b: Sequence[object]) -> int:
 
 
 BYTES_PER_TOKEN = 14
+# what the tree keeps per image (`ImageFacts`, its digest's text and the dictionary's entry): never the
+# bytes, which are in the store once whatever the number of sessions showing the image
+BYTES_PER_IMAGE = 384
 
 
 class SessionTree:
@@ -93,7 +96,8 @@ class SessionTree:
         self._by_chain: dict[bytes, TurnNode] = {}
         self._by_prompt_chain: dict[bytes, TurnNode] = {}
         self._by_shape: dict[bytes, TurnNode] = {}  # turns by their history with images anonymous
-        self.images: dict[str, DecodedImage] = {}  # every image the session's turns hold, by digest
+        # every image the session's turns show, by digest: its facts only, the bytes are in the store
+        self.images: dict[str, ImageFacts] = {}
         self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
 
     # -- reading -----------------------------------------------------------------------------------
@@ -118,8 +122,8 @@ class SessionTree:
     def held_bytes(self) -> int:
         """About what the session holds in memory: its tokens as measured (`benchmarks/memory.py`:
         13.9 bytes per recorded token, ids, logprobs, messages and indexes together) and its images'
-        bytes, each once."""
-        return BYTES_PER_TOKEN * self.token_count + sum(len(image.data) for image in self.images.values())
+        facts; no image bytes, which the store holds and `store.images.ImageLibrary` reads back."""
+        return BYTES_PER_TOKEN * self.token_count + BYTES_PER_IMAGE * len(self.images)
 
     def summary(self) -> dict[str, object]:
         return {

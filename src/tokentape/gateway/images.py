@@ -5,7 +5,7 @@ Only requests whose messages hold images come here."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 
 from tokentape.core.images import DecodedImage, ImageRun, has_images, image_digests, masked_images
 from tokentape.core.messages import Message, hash_chain
@@ -26,12 +26,25 @@ def first_image_message(messages: Sequence[Message], covered: int) -> int:
     return next((i for i, m in enumerate(messages[:covered]) if has_images([m])), 0)
 
 
-class Expansion:
-    """Expands the placeholders of rendered segments with one processor and the request's images."""
+Reader = Callable[[Sequence[str]], Awaitable[Mapping[str, DecodedImage]]]
 
-    def __init__(self, vision: VisionProcessor, images: Mapping[str, DecodedImage]) -> None:
+
+class Expansion:
+    """Expands the placeholders of rendered segments with one processor and the request's images;
+    an image the request names without sending it (a continued conversation's) is read back by
+    `read` if the session holds it (`held`: the digests its turns show)."""
+
+    def __init__(
+        self,
+        vision: VisionProcessor,
+        images: Mapping[str, DecodedImage],
+        read: Reader | None = None,
+        held: Container[str] = (),
+    ) -> None:
         self.vision = vision
         self.images = images
+        self._read = read
+        self._held = held
 
     async def __call__(
         self, tokens: Sequence[int], messages: Sequence[Message], offset: int
@@ -41,14 +54,20 @@ class Expansion:
         digests = image_digests(messages)
         if not digests:
             return list(tokens), ()
-        missing = [d for d in digests if d not in self.images]
+        known = self.images
+        missing = [d for d in digests if d not in known]
+        if missing and self._read is not None:
+            held = [d for d in dict.fromkeys(missing) if d in self._held]
+            read = await self._read(held) if held else {}
+            known = {**known, **read}
+            missing = [d for d in missing if d not in known]
         if missing:
             raise InvalidRequest(
                 f"the request refers to an image this session does not hold (sha256 {missing[0][:16]}...)",
                 param="messages",
             )
         # the processor's resize and patching take milliseconds per screenshot: off the event loop
-        return await asyncio.to_thread(self.vision.expand, tokens, digests, self.images, offset)
+        return await asyncio.to_thread(self.vision.expand, tokens, digests, known, offset)
 
     def check_sampled(self, node: TurnNode) -> None:
         """A turn that sampled a vision token is not continued: fed back, the token would stand for an

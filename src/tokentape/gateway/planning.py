@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,8 +38,9 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, renderer: Renderer) -> None:
+    def __init__(self, renderer: Renderer, image_reader: images.Reader | None = None) -> None:
         self.renderer = renderer
+        self.image_reader = image_reader  # the bytes of images a session holds, read back by digest
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
 
     async def chat(self, tree: SessionTree, call: ChatCall) -> Plan:
@@ -75,8 +75,7 @@ class Planner:
                     detail="an image of the recorded history differs from the image that was sent",
                 )
                 decision = Extend(node, covered, rewrite) if settle_rewrite(rewrite) == "keep" else Fresh(node, rewrite)
-        known = ChainMap(dict(call.images), tree.images)
-        expand = images.Expansion(vision, known)
+        expand = images.Expansion(vision, call.images, self.image_reader, tree.images)
         if isinstance(decision, Fresh):
             plan = await self._fresh(tree, call, decision, chains[-1], expand)
         else:

@@ -78,7 +78,7 @@ class Gateway:
         self.renderer = renderer
         self.sessions = sessions
         self.admission = Admission(max_active)
-        self.planner = Planner(renderer)
+        self.planner = Planner(renderer, sessions.images.read)
         self.engine_calls = 0
         # RL clients' choice: a request whose max_tokens passes the context gets the room left (finish
         # `length`) instead of OpenAI's 400; sessions opt in alone with metadata {"max_tokens": "clip"}
@@ -289,7 +289,7 @@ class Gateway:
             sampling = self._check_room(plan.prompt, call.sampling, self._clips(session))
             if self._banned:  # a vision model: its placeholders are never sampled
                 sampling = dataclasses.replace(sampling, banned_token_ids=self._banned)
-            images = self._prompt_images(session, call, plan)
+            images = await self._prompt_images(session, call, plan)
             session.requests += 1
             constraint = call.constraint if isinstance(call, ChatCall) else None
             choices = [
@@ -310,8 +310,9 @@ class Gateway:
                     async for event in choice:
                         yield event
 
-    def _prompt_images(self, session: Session, call: Call, plan: Plan) -> list[PromptImage]:
-        """The images of the prompt, for the engine; new ones join the session's images."""
+    async def _prompt_images(self, session: Session, call: Call, plan: Plan) -> list[PromptImage]:
+        """The images of the prompt with their bytes, for the engine: the request's, else read back
+        (`ImageLibrary`) for those the session holds; new ones join the session's images."""
         if not plan.images:
             return []
         if not takes_images(self.engine):
@@ -322,7 +323,8 @@ class Gateway:
                 code="images_not_supported",
             )
         new = call.images if isinstance(call, ChatCall) else {}
-        known = session.tree.images
+        held = [run.digest for run in plan.images if run.digest not in new]
+        known = await self.sessions.images.read_all(held) if held else {}
         return [PromptImage(run, new.get(run.digest) or known[run.digest]) for run in plan.images]
 
     async def _check_staleness(self, session: Session) -> None:
@@ -492,7 +494,7 @@ class Gateway:
             # Not what a failed engine answer sent before it failed: that is not trusted.
             if (run.tokens or run.completed) and not run.engine_fault:
                 node = self._record(ticket, plan, run, constraint, trace_id, images)
-                write = ticket.write(node)
+                write = ticket.write(node, [image.image for image in images])
                 self.sessions.account(ticket.session)
         # written before it is acknowledged: the response never gets ahead of the store
         await ticket.durable(write)
@@ -509,8 +511,8 @@ class Gateway:
     ) -> TurnNode:
         session = ticket.session
         rewrites = len(session.tree.rewrites)
-        for image in images:  # stored once per session, by digest, whatever the number of turns showing it
-            session.tree.images.setdefault(image.image.digest, image.image)
+        for image in images:  # its facts, once per session (the bytes: once in the store, `ImageLibrary`)
+            session.tree.images.setdefault(image.image.digest, image.image.facts)
         node = session.tree.attach(
             plan.turn,
             sampled=[t.token_id for t in run.tokens],

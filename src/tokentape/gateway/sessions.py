@@ -21,6 +21,7 @@ from tokentape.core.session import SessionTree
 from tokentape.core.staleness import session_bound
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound, StoreFailure
+from tokentape.store.images import IMAGE_CACHE_BYTES, ImageLibrary
 from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
 from tokentape.store.sqlite import PAGE_SIZE, SqliteStore
 
@@ -36,6 +37,11 @@ __all__ = [
 
 REWRITE_POLICIES: tuple[RewritePolicy, ...] = ("tape", "fork", "strict")
 UNNAMED_REQUESTS_KEPT = 4096  # SDK retries come within seconds; this covers minutes of traffic
+# What a retry record costs in memory (`sys.getsizeof` of its parts and the dictionary's slot): a
+# session's latest request number per retry key (`Session.latest`), and the session an unnamed
+# request opened per retry key (`SessionRegistry.remember_unnamed`). Both count toward the budget.
+REPLAY_RECORD_BYTES = 160
+UNNAMED_RECORD_BYTES = 256
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
@@ -86,6 +92,11 @@ class Session:
     def id(self) -> str:
         return self.tree.session_id
 
+    @property
+    def held_bytes(self) -> int:
+        """The tree's bytes and the session's retry records (one per request key it answered)."""
+        return self.tree.held_bytes + REPLAY_RECORD_BYTES * len(self.latest)
+
     def summary(self) -> dict[str, object]:
         # max_staleness: the session's own bound (None: the gateway's --max-staleness applies)
         return {
@@ -124,16 +135,25 @@ class PrefixMatch:
 @dataclass(frozen=True, slots=True)
 class MemoryLimits:
     """Sessions are always in the store; these bound how many stay in memory as well, and how many
-    bytes they may hold there (tokens, logprobs and image bytes, `SessionTree.held_bytes`). Past the
-    bytes, the least recently used sessions not running leave memory; if the running ones alone
-    are past it, new requests wait (429 with Retry-After) instead of the process being killed."""
+    bytes the gateway may hold there: the sessions' trees (tokens, logprobs, image facts,
+    `SessionTree.held_bytes`) and retry records, the image bytes read back from the store
+    (`store.images.ImageLibrary`, its cache at most `image_cache_bytes`) and the unnamed requests'
+    retry records. Past the bytes, the least recently used sessions not running leave memory; if
+    the running ones alone are past it, new requests wait (429 with Retry-After) instead of the
+    process being killed."""
 
     max_sessions: int = 10_000
     # 4 GiB: on a 24 GiB machine it leaves the engine, the interpreter and the page cache ample room,
-    # and holds ~300M recorded tokens (13.9 bytes each, `make bench`) or ~20,000 400 KB screenshots
+    # and holds ~270M recorded tokens (13.9 bytes each, `make bench`) beside 256 MiB of cached image bytes
     max_bytes: int = 4 * 1024**3
     idle_seconds: float = 3600.0  # a session unused this long leaves memory (it reloads on use)
     evict_every: float = 30.0  # how often idle sessions are looked for; a scan costs one pass over the idle ones
+    # the cache of image bytes read back from the store; None: an eighth of max_bytes, at most 256 MiB
+    image_cache: int | None = None
+
+    @property
+    def image_cache_bytes(self) -> int:
+        return min(IMAGE_CACHE_BYTES, self.max_bytes // 8) if self.image_cache is None else self.image_cache
 
 
 class SessionRegistry:
@@ -150,10 +170,12 @@ class SessionRegistry:
         self.default_policy: RewritePolicy = default_policy
         self.match_prefix = match_prefix  # unnamed chat requests continue the one session they extend
         self.store = store or SqliteStore(":memory:")
-        self.limits = limits
+        # image bytes by digest: once in the store, read back through a cache bounded in bytes
+        self.images = ImageLibrary(self.store, limits.image_cache_bytes)
+        self._limits = limits
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._sizes: dict[str, int] = {}  # bytes each session in memory holds, as last counted
-        self.held_bytes = 0
+        self.session_bytes = 0
         self.evicted = 0
         self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
         self._timer: asyncio.TimerHandle | None = None
@@ -162,9 +184,28 @@ class SessionRegistry:
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
 
+    @property
+    def limits(self) -> MemoryLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: MemoryLimits) -> None:
+        self._limits = limits
+        self.images.cache.resize(limits.image_cache_bytes)
+        self._trim()
+
+    @property
+    def held_bytes(self) -> int:
+        """What the gateway holds against the budget: the sessions in memory (trees and retry
+        records), the image bytes read back or waiting for their write, the unnamed retry records."""
+        return self.session_bytes + self.images.held_bytes + UNNAMED_RECORD_BYTES * len(self._unnamed)
+
     def remember_unnamed(self, request_key: bytes, session_id: str) -> None:
+        """Which one-call session an unnamed request opened, for its SDK retry: the latest
+        UNNAMED_REQUESTS_KEPT, and no more than a sixty-fourth of the budget in bytes."""
         self._unnamed[request_key] = session_id
-        while len(self._unnamed) > UNNAMED_REQUESTS_KEPT:
+        kept = min(UNNAMED_REQUESTS_KEPT, max(1, self.limits.max_bytes // 64 // UNNAMED_RECORD_BYTES))
+        while len(self._unnamed) > kept:
             self._unnamed.popitem(last=False)
 
     def unnamed_session(self, request_key: bytes) -> str | None:
@@ -321,13 +362,13 @@ class SessionRegistry:
         """Count what a session holds now (on loading it and after each recorded turn), then trim."""
         if self._sessions.get(session.id) is not session:
             return
-        size = session.tree.held_bytes
-        self.held_bytes += size - self._sizes.get(session.id, 0)
+        size = session.held_bytes
+        self.session_bytes += size - self._sizes.get(session.id, 0)
         self._sizes[session.id] = size
         self._trim()
 
     def over_budget(self) -> bool:
-        """Whether the sessions in memory hold more than the budget even after trimming (the
+        """Whether the gateway holds more than the budget in memory even after trimming (the
         running ones cannot leave)."""
         return self.held_bytes > self.limits.max_bytes
 
@@ -368,7 +409,7 @@ class SessionRegistry:
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
-        self.held_bytes -= self._sizes.pop(session_id, 0)
+        self.session_bytes -= self._sizes.pop(session_id, 0)
 
     def _arm_evictions(self) -> None:
         """Look for idle sessions every `evict_every` seconds, on the loop that serves them."""

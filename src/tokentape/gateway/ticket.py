@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
+from tokentape.core.images import DecodedImage
 from tokentape.core.tape import TurnNode
 from tokentape.errors import Conflict, Overloaded, StoreFailure
 from tokentape.gateway.sessions import Claim, Session, SessionRegistry
@@ -130,7 +131,7 @@ class Ticket:
         session.check_open()
         if self.sessions.over_budget():  # the running sessions alone hold the budget: wait, never OOM
             raise Overloaded(
-                f"the sessions in memory hold {self.sessions.held_bytes:,} bytes, past the budget of "
+                f"the gateway holds {self.sessions.held_bytes:,} bytes in memory, past the budget of "
                 f"{self.sessions.limits.max_bytes:,} (tokentape serve --max-memory-bytes); retry shortly",
                 retry_after=5.0,
             )
@@ -139,10 +140,11 @@ class Ticket:
         session.in_flight += 1
         self._in_flight = True
 
-    def write(self, node: TurnNode) -> asyncio.Future[None]:
-        """Start writing a recorded turn; the write runs to its end whatever happens to the request.
-        The future it returns settles when the store's job does (a callback, not a task per turn:
-        a lone turn is usually committed before this returns)."""
+    def write(self, node: TurnNode, images: Sequence[DecodedImage] = ()) -> asyncio.Future[None]:
+        """Start writing a recorded turn (with the bytes of the images its prompt shows: each stored
+        once, by digest); the write runs to its end whatever happens to the request. The future it
+        returns settles when the store's job does (a callback, not a task per turn: a lone turn is
+        usually committed before this returns)."""
         session = self.session
         written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         started = time.monotonic()
@@ -166,13 +168,18 @@ class Ticket:
                 self._on_written(time.monotonic() - started)
                 written.set_result(None)
 
+        shown: dict[str, DecodedImage] = {}
         try:
-            landing = self.sessions.store.save_turn(session.tree, node, self.key).landing()
+            brought = {run.digest for run in node.images}  # the images new to the path: the others are stored
+            shown = {image.digest: image for image in images if image.digest in brought}
+            landing = self.sessions.store.save_turn(session.tree, node, self.key, shown).landing()
         except Exception as exc:  # the row could not even be made
             not_stored(exc)
         else:
             landing.add_done_callback(settle)
         written.add_done_callback(_log_failure)
+        if shown:  # read back from the store from now on; held until the write lands
+            self.sessions.images.keep(shown.values(), written)
         self._writes.append(written)
         self._track_write(written)
         return written

@@ -6,7 +6,7 @@ time), delete."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from tokentape.core.export import export_session
 from tokentape.core.formats import check_format, format_rows, samples_of
+from tokentape.core.images import DecodedImage
 from tokentape.core.outcome import MAX_METADATA_BYTES, check_reward
 from tokentape.core.rollouts import Weighting, check_weighting
 from tokentape.core.session import SessionTree
@@ -129,11 +130,16 @@ def _lag(max_lag: str | None, lag_mode: str | None, current: int, fmt: str | Non
 
 
 def _rows_response(
-    trees: list[SessionTree], fmt_name: str, output: str, lag: LagWindow | None = None, weighting: Weighting = "rows"
+    trees: list[SessionTree],
+    fmt_name: str,
+    output: str,
+    lag: LagWindow | None = None,
+    weighting: Weighting = "rows",
+    images: Mapping[str, DecodedImage] | None = None,
 ) -> Response:
     fmt = check_format(fmt_name)
     _output(output)
-    rows = format_rows(samples_of(trees), fmt, lag=lag, weighting=weighting)
+    rows = format_rows(samples_of(trees, images), fmt, lag=lag, weighting=weighting)
     if output == "jsonl":
         return Response(to_jsonl_bytes(rows), media_type="application/x-ndjson")
     if output == "parquet":
@@ -268,8 +274,9 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         lag = _lag(max_lag, lag_mode, gateway.gate.version, format and check_format(format))
         rule = check_weighting(weighting)
         tree = (await sessions.get(session_id)).tree
+        images = await sessions.images.of_trees([tree]) if tree.images else None  # bytes from the store
         if format is None:
-            exported = export_session(tree)
+            exported = export_session(tree, images)
             if lag is not None:
                 kept = (lag_filter(b, lag.current, lag.max_lag, lag.mode) for b in exported["branches"])
                 exported["branches"] = [b for b in kept if b is not None]
@@ -278,7 +285,7 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
                 for branch in exported["branches"]:
                     branch["token_texts"] = [tokenizer.decode_all([t]) for t in branch["tokens"]]
             return json_response(exported)
-        return _rows_response([tree], format, output, lag, rule)
+        return _rows_response([tree], format, output, lag, rule, images)
 
     @app.get("/view", response_class=HTMLResponse)
     async def view() -> str:
@@ -313,7 +320,9 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         lag = _lag(max_lag, lag_mode, gateway.gate.version, fmt)
         rule = check_weighting(weighting)
         skipped: list[StoredSession] = []
-        pages = dataset_pages(lambda w: sessions.scan(w), where, fmt, skipped, lag=lag, weighting=rule)
+        pages = dataset_pages(
+            lambda w: sessions.scan(w), where, fmt, skipped, lag=lag, weighting=rule, images=sessions.images.of_trees
+        )
         return StreamingResponse(encode_dataset(pages, fmt, out, skipped), media_type=MEDIA_TYPES[out])
 
     @app.delete("/sessions/{session_id}")

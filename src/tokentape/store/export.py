@@ -14,13 +14,14 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from tokentape.core.export import EXPORT_SCHEMA_VERSION
 from tokentape.core.formats import Format, format_rows, samples_of
+from tokentape.core.images import DecodedImage
 from tokentape.core.rollouts import Weighting
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagWindow
@@ -29,7 +30,7 @@ from tokentape.store.scan import SessionFilter, StoredSession
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Output", "OUTPUTS", "Scan", "dataset_pages", "encode_dataset", "MEDIA_TYPES"]
+__all__ = ["ImageReader", "Output", "OUTPUTS", "Scan", "dataset_pages", "encode_dataset", "MEDIA_TYPES"]
 
 log = logging.getLogger("tokentape.store")
 
@@ -37,6 +38,8 @@ Output = Literal["json", "jsonl", "parquet"]
 OUTPUTS: tuple[Output, ...] = ("json", "jsonl", "parquet")
 MEDIA_TYPES = {"json": "application/json", "jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
 Scan = Callable[[SessionFilter], AsyncIterator[StoredSession]]
+# the bytes of the images some sessions show, by digest (`ImageLibrary.of_trees`): trees hold facts only
+ImageReader = Callable[[list[SessionTree]], Awaitable[Mapping[str, DecodedImage]]]
 SESSIONS_PER_PAGE = 64  # sessions formatted together: bounds an export's memory
 PARQUET_TYPING_ROWS = 1024  # rows held back, at most, to learn each Parquet column's type
 _FLOAT_FIELDS = frozenset(
@@ -72,10 +75,17 @@ async def dataset_pages(
     *,
     lag: LagWindow | None = None,
     weighting: Weighting = "rows",
+    images: ImageReader | None = None,
 ) -> AsyncIterator[list[dict[str, Any]]]:
     """The rows of a dataset, a page at a time, in the order of the sessions. Atropos and packed rows
     are whole groups: the first session of a group brings its whole group (read with the group's own
-    filter), so a group is never split across pages. `lag`: an export's max_lag (`format_rows`)."""
+    filter), so a group is never split across pages. `lag`: an export's max_lag (`format_rows`).
+    `images`: reads the bytes of a page's images (needed as soon as a session shows one)."""
+
+    async def rows(trees: list[SessionTree]) -> list[dict[str, Any]]:
+        shown = await images(trees) if images is not None and any(tree.images for tree in trees) else None
+        return format_rows(samples_of(trees, shown), fmt, lag=lag, weighting=weighting)
+
     page: list[SessionTree] = []
     emitted_groups: set[str] = set()
     async for tree in _trees(scan(where), skipped):
@@ -85,18 +95,18 @@ async def dataset_pages(
                 continue
             emitted_groups.add(group_id)
             if page:
-                yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
+                yield await rows(page)
                 page = []
             group_scan = scan(dataclasses.replace(where, group_id=group_id))
             members = [member async for member in _trees(group_scan, [])]
-            yield format_rows(samples_of(members), fmt, lag=lag, weighting=weighting)
+            yield await rows(members)
             continue
         page.append(tree)
         if len(page) >= SESSIONS_PER_PAGE:
-            yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
+            yield await rows(page)
             page = []
     if page:
-        yield format_rows(samples_of(page), fmt, lag=lag, weighting=weighting)
+        yield await rows(page)
 
 
 def _skipped_json(skipped: list[StoredSession]) -> bytes:

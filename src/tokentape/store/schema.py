@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokentape.core.images import DecodedImage, ImageRun, runs_from_json, runs_to_json
+from tokentape.core.images import DecodedImage, ImageFacts, ImageRun, runs_from_json, runs_to_json
 from tokentape.core.outcome import Outcome
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import Origin, Rewrite, TurnNode
@@ -26,6 +26,7 @@ from tokentape.core.versions import spans_from_json, spans_to_json
 
 __all__ = [
     "IMAGES",
+    "SELECT_IMAGE_FACTS",
     "SESSIONS",
     "SESSION_COLUMNS",
     "TURNS",
@@ -33,6 +34,7 @@ __all__ = [
     "Column",
     "Table",
     "decoded_image",
+    "image_facts",
     "image_row",
     "session_row",
     "session_tree",
@@ -277,6 +279,15 @@ def image_row(image: DecodedImage) -> tuple[Any, ...]:
 def decoded_image(row: Sequence[Any]) -> DecodedImage:
     fields, _ = IMAGES.fields(row)
     return DecodedImage(**fields)
+
+
+# an image's facts without its bytes: what a session's tree keeps (`SessionTree.images`)
+SELECT_IMAGE_FACTS = "SELECT digest, media_type, width, height, length(data) FROM images WHERE digest IN ({})"
+
+
+def image_facts(row: Sequence[Any]) -> ImageFacts:
+    digest, media_type, width, height, size = row
+    return ImageFacts(str(digest), str(media_type), int(width), int(height), int(size))
 
 
 def _inputs_json(node: TurnNode) -> str | None:

@@ -12,9 +12,11 @@ alone and the others commit.
 The tables, their statements and the rows of sessions and turns are declared once, column by column,
 in `schema.py`; the threads and their group commit are `writer.py`.
 
-Reads (`load`, `is_deleted`, `keys`, `load_many`, `scan`) run on a reader thread with its own
-connection (WAL lets it read while the writer commits), never on the event loop. A ":memory:" store
-has one connection, so its reads queue on the writer thread.
+Reads (`load`, `is_deleted`, `keys`, `load_many`, `scan`, `read_images`) run on a reader thread with
+its own connection (WAL lets it read while the writer commits), never on the event loop. A ":memory:"
+store has one connection, so its reads queue on the writer thread. A session loads with its images'
+facts only; their bytes, stored once per distinct image, are read by digest (`read_images`, through
+`images.ImageLibrary`).
 
 A deleted session leaves a tombstone: no late write brings it back. A session whose rows cannot
 be read (a turn whose parent is missing, a damaged blob) raises `StoreFailure` with code
@@ -27,19 +29,22 @@ import asyncio
 import logging
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.errors import StoreFailure
 from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
 from tokentape.store.schema import (
     IMAGES,
+    SELECT_IMAGE_FACTS,
     SESSIONS,
     TURNS,
     decoded_image,
+    image_facts,
     image_row,
     session_row,
     session_tree,
@@ -68,7 +73,7 @@ _UPSERT_SESSION = SESSIONS.upsert(where="deleted = 0")
 _INSERT_TURN = TURNS.insert_or_replace()
 _SELECT_TURNS = TURNS.select("session_id = ?", order="id")
 _SELECT_SESSION = SESSIONS.select("id = ?")  # deleted ones too: a tombstone says so
-_INSERT_IMAGE = IMAGES.insert_or_ignore()
+_INSERT_IMAGE = IMAGES.insert_or_ignore()  # by content: the bytes of one image are stored once
 
 _ID, _CREATED_AT, _DELETED = (SESSIONS.names.index(name) for name in ("id", "created_at", "deleted"))
 
@@ -140,17 +145,26 @@ def _tree(db: sqlite3.Connection, row: Row) -> SessionTree:
 
 
 def _restore_images(db: sqlite3.Connection, tree: SessionTree) -> None:
-    """The images the session's turns show, read once each."""
+    """The facts of the images the session's turns show (never their bytes: `read_images`)."""
     digests = sorted({run.digest for node in tree.nodes for run in node.images})
     for start in range(0, len(digests), 500):  # within SQLite's limit on bound parameters
         chunk = digests[start : start + 500]
-        select = IMAGES.select(f"digest IN ({', '.join('?' * len(chunk))})")
-        for image_row_ in db.execute(select, chunk):
-            image = decoded_image(image_row_)
-            tree.images[image.digest] = image
+        for row in db.execute(SELECT_IMAGE_FACTS.format(", ".join("?" * len(chunk))), chunk):
+            facts = image_facts(row)
+            tree.images[facts.digest] = facts
     missing = [d for d in digests if d not in tree.images]
     if missing:
         raise ValueError(f"image {missing[0]} that a turn shows is not stored")
+
+
+def _read_images(db: sqlite3.Connection, digests: Sequence[str]) -> dict[str, DecodedImage]:
+    found: dict[str, DecodedImage] = {}
+    for start in range(0, len(digests), 500):
+        chunk = digests[start : start + 500]
+        for row in db.execute(IMAGES.select(f"digest IN ({', '.join('?' * len(chunk))})"), chunk):
+            image = decoded_image(row)
+            found[image.digest] = image
+    return found
 
 
 def _load(db: sqlite3.Connection, session_id: str) -> SessionTree | None:
@@ -294,13 +308,23 @@ class SqliteStore:
         return result
 
     # -- writes: queued when called; await the returned Write for the commit -----------------------
-    def save_turn(self, tree: SessionTree, node: TurnNode, request_key: bytes | None = None) -> Write[bool]:
+    def save_turn(
+        self,
+        tree: SessionTree,
+        node: TurnNode,
+        request_key: bytes | None = None,
+        images: Mapping[str, DecodedImage] | None = None,
+    ) -> Write[bool]:
         """Queue one turn and its session row, to commit together. The row is taken from `tree`
-        and `node` now, on the caller's thread. Resolves to True once committed, False if the
-        session was deleted (nothing written); raises `StoreFailure` if the write failed."""
+        and `node` now, on the caller's thread. `images`: the bytes of images the turn shows, by
+        digest, stored once each (a digest already stored is left as it is; one not given must be
+        stored already). Resolves to True once committed, False if the session was deleted
+        (nothing written); raises `StoreFailure` if the write failed."""
         session_id = tree.session_id
-        images = [image_row(tree.images[run.digest]) for run in node.images]
-        job = _write_turn(session_row(tree), turn_row(session_id, node, request_key), images)
+        given = images or {}
+        shown = dict.fromkeys(run.digest for run in node.images)
+        rows = [image_row(given[digest]) for digest in shown if digest in given]
+        job = _write_turn(session_row(tree), turn_row(session_id, node, request_key), rows)
         return self._write(job, f"write turn {node.id} of session {session_id!r}")
 
     def save_session(self, tree: SessionTree) -> Write[bool]:
@@ -331,6 +355,13 @@ class SqliteStore:
             return {"images": int(images), "bytes": int(size)}
 
         return await self._read(count, "count images")
+
+    async def read_images(self, digests: Iterable[str]) -> dict[str, DecodedImage]:
+        """The stored images of `digests` with their bytes, by digest (a digest not stored is absent)."""
+        wanted = sorted(set(digests))
+        if not wanted:
+            return {}
+        return await self._read(lambda db: _read_images(db, wanted), f"read {len(wanted)} image(s)")
 
     async def load(self, session_id: str) -> SessionTree | None:
         """The stored session, None if there is none (or it was deleted); raises `StoreFailure`
