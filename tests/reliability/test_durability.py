@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
 from tests.support.gates import NoticesDisconnects
+from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.engines.llamacpp import LlamaCppEngine
@@ -54,10 +55,16 @@ class SlowStore(SqliteStore):
         self.gate = threading.Event()
         self._turn_write = False
 
-    def save_turn(self, tree: SessionTree, node: TurnNode, request_key: bytes | None = None) -> Write[bool]:
+    def save_turn(
+        self,
+        tree: SessionTree,
+        node: TurnNode,
+        request_key: bytes | None = None,
+        images: Mapping[str, DecodedImage] | None = None,
+    ) -> Write[bool]:
         self._turn_write = True
         try:
-            return super().save_turn(tree, node, request_key)
+            return super().save_turn(tree, node, request_key, images)
         finally:
             self._turn_write = False
 
