@@ -117,3 +117,24 @@ async def test_a_compacted_branch_kept_whole_keeps_the_agents_reward(
     assert out.non_tensor_batch["tokentape_status"][0] == "done"
     assert not out.non_tensor_batch["tokentape_truncated"][0]
     assert out.batch["rm_scores"][0][len(got) - 1] == AGENT_REWARD
+
+
+def test_only_a_cut_inside_the_last_sampled_turn_counts() -> None:
+    """The boundary, on a branch made here: the last turn's sampled tokens end at position 10; a cut
+    there or later keeps the turn (tokens after it under mask 0 may go), a cut before it does not."""
+    from tokentape.integrations.verl import TokentapeAgentLoop
+
+    branch = {
+        "tokens": list(range(12)),
+        "loss_mask": [0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0],
+        "logprobs": [None, None, -0.1, -0.1, None, None, -0.2, -0.2, -0.2, -0.2, None, None],
+        "versions": [-1, -1, 1, 1, -1, -1, 1, 1, 1, 1, -1, -1],
+        "action_ranges": [[2, 4], [6, 10]],
+    }
+    loop = object.__new__(TokentapeAgentLoop)
+    loop.prompt_length = 64
+    for response, cut in ((10, False), (8, False), (7, True), (2, True)):  # the response starts at 2
+        loop.response_length = response
+        assert loop._cuts_last_turn(branch) is cut, response
+    loop.response_length = 1
+    assert not loop._cuts_last_turn({**branch, "action_ranges": []})  # nothing sampled: nothing to cut
