@@ -10,11 +10,19 @@ cost stays small beside the gateways it is measured behind.
 
 By default its token IDs are SmolLM2's (the embedded model's vocabulary); `--tokenizer` takes a Hugging
 Face model directory (Qwen2.5's, for the overhead benchmark) and answers in that vocabulary instead.
+
+With `--tokenizer`, a request whose `max_tokens` is `TOOL_CALL_MAX_TOKENS` is answered with one tool call
+instead (benchmarks/agent_load.py): Hermes-style text (`<tool_call>{...}</tool_call>`, what Qwen's
+templates render) as token IDs on the token routes, and parsed into `message.tool_calls` on the chat
+route, as vLLM's tool parser would. Both routes answer with the same tokens and cost about the same:
+one orjson parse of the request, one of the prompt as token IDs (`_tokenize_stand_in` on the chat
+route), one short answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -30,10 +38,16 @@ END_OF_TURN = 2  # SmolLM2's <|im_end|>: the gateway under test renders with the
 # SmolLM2 token IDs of common English words, so the text a gateway decodes is ordinary text
 WORDS = [(1032, " the"), (1607, " model"), (7468, " answers"), (314, " a"), (1745, " long"), (2024, " history")]
 CONTEXT = 131_072
+TOOL_CALL_MAX_TOKENS = 48  # the marker: answer with a tool call
+TOOL_CALL = {"name": "bash", "arguments": {"command": "grep -rn 'def parse' src/ | head -20"}}
+TOOL_CALL_TOKENS: list[tuple[int, str, float]] = []  # the call as Hermes text, in the vocabulary (--tokenizer)
 
 
 def _script(max_tokens: int) -> tuple[list[tuple[int, str, float]], str]:
-    """The reply: words up to `max_tokens - 1`, then the end-of-turn token (finish `stop`)."""
+    """The reply: words up to `max_tokens - 1`, then the end-of-turn token (finish `stop`); or the
+    tool call, when `max_tokens` asks for it and a vocabulary has it."""
+    if max_tokens == TOOL_CALL_MAX_TOKENS and TOOL_CALL_TOKENS:
+        return [*TOOL_CALL_TOKENS, (END_OF_TURN, "", -0.05)], "stop"
     words = max(0, min(max_tokens, 16) - 1)
     tokens = [(*WORDS[i % len(WORDS)], -0.25 - 0.01 * i) for i in range(words)]
     if max_tokens > words:
@@ -58,6 +72,10 @@ def use_vocabulary(model_dir: str) -> None:
     if not words or end is None:
         raise SystemExit(f"{model_dir}: no single-token words or no end-of-turn token")
     WORDS, END_OF_TURN = words, end
+    text = "<tool_call>\n" + json.dumps(TOOL_CALL) + "\n</tool_call>"
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    for i, (token, (start, stop)) in enumerate(zip(encoding.ids, encoding.offsets, strict=True)):
+        TOOL_CALL_TOKENS.append((token, text[start:stop], -0.1 - 0.001 * i))
 
 
 async def _body(receive: Receive) -> dict[str, Any]:
@@ -97,20 +115,33 @@ def _chat_logprobs(tokens: list[tuple[int, str, float]]) -> dict[str, Any]:
 
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    """Stand-in prompt token IDs for a chat request: one per four characters of content."""
+    """Stand-in prompt token IDs for a chat request: one per 3.6 characters of content (code-like
+    text under Qwen2.5's tokenizer), six-digit IDs as a real vocabulary's are."""
     size = sum(len(str(m.get("content") or "")) for m in body.get("messages", ()))
-    return list(range(1000, 1000 + max(1, size // 4)))
+    return list(range(100_000, 100_000 + max(1, int(size / 3.6))))
+
+
+def _tokenize_stand_in(prompt_ids: list[int]) -> None:
+    """What the token route pays to read a prompt as token IDs (one orjson parse of that many IDs),
+    paid on the chat route too, so that both routes cost the engine the same per prompt token."""
+    orjson.loads(orjson.dumps(prompt_ids))
 
 
 async def chat(body: dict[str, Any], send: Send) -> None:
+    _tokenize_stand_in(_prompt_ids(body))
     tokens, finish = _script(int(body.get("max_tokens") or 16))
     text = "".join(word for _, word, _ in tokens)
+    calls: list[dict[str, Any]] = []
+    if tokens and tokens[0] == (TOOL_CALL_TOKENS[:1] or [None])[0]:  # as vLLM's Hermes tool parser answers
+        arguments = json.dumps(TOOL_CALL["arguments"])
+        calls = [{"id": "call_scripted", "type": "function", "function": {"name": "bash", "arguments": arguments}}]
+        text, finish = "", "tool_calls"
     base = {"id": "chatcmpl-scripted", "created": int(time.time()), "model": body.get("model", "scripted")}
     prompt_ids = _prompt_ids(body)
     if not body.get("stream"):
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "message": {"role": "assistant", "content": text or None, "tool_calls": calls},
             "logprobs": _chat_logprobs(tokens) if body.get("logprobs") else None,
             "finish_reason": finish,
             "stop_reason": None,
@@ -123,6 +154,11 @@ async def chat(body: dict[str, Any], send: Send) -> None:
         await _json(send, payload)
         return
     events = []
+    if calls:  # the whole call in one chunk, as vLLM's parser sends a call it has read whole
+        delta = {"role": "assistant", "tool_calls": [{"index": 0, **calls[0]}]}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        await _sse(send, [orjson.dumps({**base, "object": "chat.completion.chunk", "choices": [choice]})])
+        return
     for i, (token, word, logprob) in enumerate(tokens):
         last = i == len(tokens) - 1
         delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
