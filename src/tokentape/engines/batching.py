@@ -12,6 +12,12 @@ used idle slot is emptied; if none is idle, the generation that joined last give
 waits to be recomputed (its sampled tokens, its random state and its grammar state kept), so one
 client's long turn never fails another's.
 
+A generation's grammar (its output constraint) is followed off the worker, on a thread of its own per
+token: llama.cpp's grammar sampler costs what the grammar makes it cost (an ambiguous pattern such as
+`^(a?){160}$` took half a minute a token), so the worker waits for a mask only as long as the step's
+decode took, steps on without a generation whose mask is late (it samples once the mask is ready), and
+fails one whose mask takes longer than `GRAMMAR_SECONDS` for one token; the others never wait on it.
+
 No request can stop the worker: an error while sampling one generation fails that generation alone;
 an error anywhere else in a step fails the generations of that step, whose KV is dropped, and the
 worker serves on (`faults`). Should the worker thread die anyway, it is started again on the next
@@ -24,8 +30,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +45,7 @@ from tokentape.engines.sampler import LogitShaper, sample_token
 from tokentape.engines.slots import SlotTable, shared_prefix
 from tokentape.errors import InvalidRequest
 
-__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "WorkerFault", "DONE"]
+__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "WorkerFault", "DONE", "GRAMMAR_SECONDS"]
 
 log = logging.getLogger("tokentape.engine")
 
@@ -46,6 +53,12 @@ DONE = object()  # the last item a generation's listener gets
 _CLOSE = object()
 # a prompt that would share at least this many more tokens with one being prefilled waits one step for it
 _WAIT_FOR_SHARED = 16
+# A generation whose grammar takes longer than this to mask the logits of one token fails (its request's
+# output constraint is too costly to follow); the others were never held up by it.
+GRAMMAR_SECONDS = 30.0
+# How long the worker sleeps at most while every running generation waits for its grammar (it then
+# looks for new arrivals to admit).
+_MASK_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +169,9 @@ class Generation:
     limit: int  # tokens it may sample
     mode: LogprobMode
     mask: Any = None  # a _GrammarMask, made on the worker
+    masking: Future[np.ndarray] | None = None  # its grammar masking its next logits, on a thread of its own
+    masking_since: float = 0.0  # time.monotonic() when that began
+    unaccepted: int | None = None  # its last token, which its grammar takes in before masking the next
     shaper: LogitShaper | None = None  # the request's logit bias and penalties, if any
     slot: Any = None  # its slots.Slot while it runs
     fed: int = 0  # how many of `tokens` its slot's KV holds
@@ -209,6 +225,9 @@ class Batcher:
         self._threads: int | None = None
         self._closed = False
         self._reviving = threading.Lock()
+        self._decode_seconds = 0.0  # how long the last step's decode took: what a late mask may be waited for
+        self._grammar_jobs: set[Future[np.ndarray]] = set()  # masks still running (also of ended generations)
+        self._jobs_lock = threading.Lock()
         self._thread = self._launch()
 
     # -- from any thread -------------------------------------------------------------------------------
@@ -222,6 +241,28 @@ class Batcher:
         self._inbox.put(_Command(run, done))
         self.ensure_alive()
         return done
+
+    def when_grammars_done(self, run: Callable[[], None]) -> None:
+        """Run `run` once every grammar mask running now has ended, at once if none is: a mask of a
+        generation that has failed may still be reading the model's vocabulary, so the model is freed
+        (after a swap, or at close) only then."""
+        with self._jobs_lock:
+            jobs = list(self._grammar_jobs)
+        if not jobs:
+            run()
+            return
+        left = [len(jobs)]
+        counting = threading.Lock()
+
+        def one_done(_: object) -> None:
+            with counting:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                run()
+
+        for job in jobs:
+            job.add_done_callback(one_done)
 
     def request_threads(self, threads: int) -> None:
         self._threads = threads  # applied by the worker before its next step
@@ -387,7 +428,11 @@ class Batcher:
                 generation.slot = None
             if generation.mask is not None:
                 mask, generation.mask = generation.mask, None
-                mask.close()
+                masking, generation.masking = generation.masking, None
+                if masking is None:
+                    mask.close()
+                else:  # freed once its thread is done with it (at once if it is)
+                    masking.add_done_callback(lambda _: mask.close())
         finally:
             self._on_finish(generation)
 
@@ -407,9 +452,15 @@ class Batcher:
         self._steps += 1
         for generation in [g for g in self.active if g.cancel.is_set()]:
             self._finish(generation)  # at a token boundary: it samples nothing more
+        self._collect_masks()
         while self.active:
             rows, outputs = self._plan()
+            if not rows:  # every running generation waits for its grammar
+                self._await_masks(_MASK_POLL_SECONDS)
+                return
+            started = time.perf_counter()
             status = self.native.decode(rows)
+            self._decode_seconds = time.perf_counter() - started
             if status == 0:
                 self._after(rows, outputs)
                 return
@@ -427,8 +478,75 @@ class Batcher:
         for generation in self.active:
             generation.fed += fed.get(generation.slot.seq_id, 0)
             generation.slot.tokens = generation.tokens[: generation.fed]
+        masking = False
         for generation, row in outputs:
-            self._sample(generation, self.native.logits(row))
+            if generation.cancel.is_set():
+                self._finish(generation)
+            elif generation.mask is not None:
+                self._mask_later(generation, self.native.logits(row))
+                masking = True
+            else:
+                self._sample(generation, self.native.logits(row))
+        if masking:  # as long as the decode took: a grammar that is late holds up no other generation longer
+            self._await_masks(self._decode_seconds, every=True)
+
+    def _mask_later(self, generation: Generation, logits: np.ndarray) -> None:
+        """Start the generation's grammar on its logits, on a thread of its own (see the module's doc)."""
+        mask, token = generation.mask, generation.unaccepted
+        generation.unaccepted = None
+        done: Future[np.ndarray] = Future()
+
+        def run() -> None:
+            try:
+                if token is not None:
+                    mask.accept(token)
+                done.set_result(mask.apply(logits))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        with self._jobs_lock:
+            self._grammar_jobs.add(done)
+        done.add_done_callback(self._forget_job)
+        generation.masking, generation.masking_since = done, time.monotonic()
+        threading.Thread(target=run, name="llamacpp-grammar", daemon=True).start()
+
+    def _forget_job(self, job: Future[np.ndarray]) -> None:
+        with self._jobs_lock:
+            self._grammar_jobs.discard(job)
+
+    def _await_masks(self, seconds: float, *, every: bool = False) -> None:
+        """Wait up to `seconds` for the running generations' masks (for every one, or the first), then
+        sample those that are ready and fail those past `GRAMMAR_SECONDS`."""
+        pending = [g.masking for g in self.active if g.masking is not None]
+        if pending:
+            wait(pending, timeout=seconds, return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
+        self._collect_masks()
+
+    def _collect_masks(self) -> None:
+        now = time.monotonic()
+        for generation in [g for g in self.active if g.masking is not None]:
+            masking = generation.masking
+            assert masking is not None
+            if masking.done():
+                generation.masking = None
+                exc = masking.exception()
+                if exc is not None:
+                    self.faults += 1
+                    log.warning("a grammar failed for one generation: %s: %s", type(exc).__name__, exc)
+                    generation.emit(exc)
+                    self._finish(generation)
+                else:
+                    self._sample(generation, masking.result(), masked=True)
+            elif now - generation.masking_since > GRAMMAR_SECONDS:
+                log.warning("a grammar took over %.0f s for one token; its generation fails", GRAMMAR_SECONDS)
+                generation.emit(
+                    InvalidRequest(
+                        f"the output constraint's grammar took more than {GRAMMAR_SECONDS:g} s to follow for one"
+                        " token; the generation was stopped (a simpler schema or pattern is needed)",
+                        code="grammar_too_costly",
+                    )
+                )
+                self._finish(generation)
 
     def _plan(self) -> tuple[list[tuple[int, int, int, bool]], list[tuple[Generation, int]]]:
         """This step's rows: every generation's pending tokens, the decoding ones (one token) first,
@@ -436,7 +554,8 @@ class Batcher:
         rows: list[tuple[int, int, int, bool]] = []
         outputs: list[tuple[Generation, int]] = []
         room = self.native.batch_size
-        for generation in sorted(self.active, key=lambda g: len(g.tokens) - g.fed):
+        waiting = [g for g in self.active if g.masking is None]  # none with a grammar still masking
+        for generation in sorted(waiting, key=lambda g: len(g.tokens) - g.fed):
             count = min(room, len(generation.tokens) - generation.fed)
             if count <= 0:
                 break
@@ -459,21 +578,28 @@ class Batcher:
             return True
         return False
 
-    def _sample(self, generation: Generation, logits: np.ndarray) -> None:
+    def _sample(self, generation: Generation, logits: np.ndarray, *, masked: bool = False) -> None:
         if generation.cancel.is_set():
             self._finish(generation)
             return
         try:
-            self._sample_one(generation, logits)
+            if masked:
+                self._sample_one(generation, logits, masked=True)
+            else:
+                self._sample_one(generation, logits)
         except Exception as exc:
             self.faults += 1
             log.warning("sampling failed for one generation: %s: %s", type(exc).__name__, exc)
             generation.emit(exc)
             self._finish(generation)
 
-    def _sample_one(self, generation: Generation, logits: np.ndarray) -> None:
+    def _sample_one(self, generation: Generation, logits: np.ndarray, masked: bool = False) -> None:
         if generation.mask is not None:
-            logits = generation.mask.apply(logits)
+            if not masked:  # called with raw logits: the grammar masks them here (on this thread)
+                if generation.unaccepted is not None:
+                    generation.mask.accept(generation.unaccepted)
+                    generation.unaccepted = None
+                logits = generation.mask.apply(logits)
             if not np.isfinite(logits).any():  # the grammar allows nothing more: a dead end
                 self._finish(generation)
                 return
@@ -486,7 +612,7 @@ class Batcher:
             self._finish(generation)
             return
         if generation.mask is not None:
-            generation.mask.accept(token)
+            generation.unaccepted = token  # taken in by its grammar with the next logits, off this thread
         if generation.shaper is not None:
             generation.shaper.accept(token)
         generation.tokens.append(token)

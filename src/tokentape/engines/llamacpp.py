@@ -35,7 +35,7 @@ from tokentape.core.sampling import SamplingParams
 from tokentape.engines import sampling_salt
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
-from tokentape.engines.gbnf import schema_grammar
+from tokentape.engines.gbnf import check_grammar, schema_grammar
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
 from tokentape.engines.sampler import LogitShaper
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
@@ -227,6 +227,10 @@ class LlamaCppEngine:
     def grammar_text(constraint: Constraint) -> str:
         """The constraint as a llama.cpp grammar (JSON schemas through llama.cpp's own converter)."""
         if constraint.kind == "grammar":
+            try:  # built by the gateway from schemas already checked; a direct caller's is checked here
+                check_grammar(constraint.value)
+            except ValueError as exc:
+                raise InvalidRequest(f"the grammar cannot be enforced: {exc}", param="tools") from exc
             return constraint.value
         if constraint.kind == "json_schema":
             try:
@@ -390,7 +394,7 @@ class LlamaCppEngine:
         old, self._batcher.native = self._batcher.native, native
         self._batcher.reset_slots()  # the new context's cache is empty
         self._free_adapter()  # belongs to the old model, freed before it
-        old.close()
+        self._batcher.when_grammars_done(old.close)  # a failed generation's grammar may still read it
         self.model_path, self._model_header = path, None
 
     def _free_adapter(self) -> None:
@@ -401,7 +405,7 @@ class LlamaCppEngine:
     async def close(self) -> None:
         await asyncio.to_thread(self._batcher.close)
         self._free_adapter()
-        self._batcher.native.close()
+        self._batcher.when_grammars_done(self._batcher.native.close)
 
 
 def _check_adapter_tensors(path: Path, adapter: GGUFHeader, base: GGUFHeader) -> None:
