@@ -99,6 +99,14 @@ def serve(
         ),
     ] = 4 * 1024**3,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
+    prompt_token_ids: Annotated[
+        str,
+        typer.Option(
+            help="always: every response carries prompt_token_ids (the whole history's token IDs); asked: only "
+            "responses to requests with return_token_ids: true, as vLLM does (agents that never read them "
+            "then neither wait for nor parse them; the tape and its exports hold them either way)."
+        ),
+    ] = "always",
     allow_image_urls: Annotated[
         bool,
         typer.Option(
@@ -206,6 +214,8 @@ def serve(
         match_prefix=match_prefix,
     )
     keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
+    if prompt_token_ids not in ("always", "asked"):
+        raise typer.BadParameter("always or asked", param_hint="--prompt-token-ids")
     if session_keys not in ("optional", "required"):
         raise typer.BadParameter("optional or required", param_hint="--session-keys")
     if session_keys == "required" and not keys:
@@ -243,6 +253,7 @@ def serve(
             guard=guard,
             image_limits=image_limits,
             staleness=staleness,
+            prompt_token_ids=prompt_token_ids,
         )
         serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
         return
@@ -263,6 +274,7 @@ def serve(
             owns_gateway=True,
             serving_process=True,
             image_limits=image_limits,
+            prompt_token_ids=prompt_token_ids,
         ),
         host=host,
         port=port,

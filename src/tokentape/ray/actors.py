@@ -165,6 +165,7 @@ class GatewaySpec:
     guard: GuardSettings | None = None  # keys and limits
     image_limits: ImageLimits | None = None  # --allow-image-urls and its networks, as on one gateway
     staleness: Staleness | None = None  # --max-staleness / --admit-per-version, as on one gateway
+    prompt_token_ids: str = "always"  # --prompt-token-ids, as on one gateway
 
 
 class GatewayActor:
@@ -206,6 +207,7 @@ class GatewayActor:
             owns_gateway=True,
             serving_process=True,
             image_limits=spec.image_limits,
+            prompt_token_ids=spec.prompt_token_ids,
         )
         trainer = spec.guard.trainer_key if spec.guard is not None else None
         # this gateway's own calls to its app (hand-offs to the trajectory queue) are a trainer's

@@ -64,6 +64,7 @@ class ClusterSettings:
     image_limits: ImageLimits | None = None  # images and image URLs, the same on every gateway
     # bounded staleness on every gateway; admission (admit_per_version) counts the groups each gateway admitted
     staleness: Staleness | None = None
+    prompt_token_ids: str = "always"  # --prompt-token-ids on every gateway
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -186,6 +187,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             guard=settings.guard,
             image_limits=settings.image_limits,
             staleness=settings.staleness,
+            prompt_token_ids=settings.prompt_token_ids,
         )
         gateways.append(
             GatewayActorClass.options(

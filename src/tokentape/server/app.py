@@ -96,6 +96,7 @@ def create_app(
     owns_gateway: bool = False,
     serving_process: bool = False,
     image_limits: ImageLimits | None = None,
+    prompt_token_ids: str = "always",
 ) -> FastAPI:
     """The ASGI app. It starts the gateway when it starts; a server that owns the gateway also closes
     it when it shuts down (every pending write finishes, the store checkpoints its log). In a process
@@ -125,6 +126,7 @@ def create_app(
         vision=renderer.vision is not None,
         image_limits=image_limits or ImageLimits(),
         image_refusal=renderer.vision.refusal if renderer.vision is not None else None,
+        prompt_token_ids=prompt_token_ids,
     )
     generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
     settings = guard or GuardSettings()

@@ -54,6 +54,10 @@ class DialectContext:
     vision: bool = False  # the model has an image processor: image parts are taken
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     image_refusal: Callable[[int, int], str | None] | None = None  # the processor's size rule
+    # "always": every response names its prompt's token IDs; "asked": only a request with
+    # `return_token_ids: true` gets them (they grow with the history: an agent that never reads them
+    # then neither waits for nor parses them)
+    prompt_token_ids: str = "always"
 
     def image_intake(self) -> ImageIntake:
         """A fresh intake for one request's images."""
@@ -73,6 +77,10 @@ class Dialect(abc.ABC, Generic[Req]):
         self.context = context
         self.tokenizer = context.tokenizer
         self.tool_format = context.tool_format
+
+    def shows_prompt(self, req: Req) -> bool:
+        """Whether the response carries `prompt_token_ids`."""
+        return self.context.prompt_token_ids == "always" or bool(req.return_token_ids)
 
     @abc.abstractmethod
     def to_call(self, req: Req, raw: dict[str, Any], caller: Caller) -> Call:

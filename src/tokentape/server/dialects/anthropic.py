@@ -238,11 +238,13 @@ class MessageShaper:
         prompt: Sequence[int],
         tokens: TokenText,
         stopped_by: Any,
+        show_prompt: bool = True,
     ) -> None:
         self.req = req
         self.id = f"msg_{uuid.uuid4().hex}"
         self.session_id = session_id
         self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
+        self.prompt_field = {"prompt_token_ids": self.prompt} if show_prompt else {}
         self.tokens = tokens
         self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
         self._index = -1
@@ -290,7 +292,7 @@ class MessageShaper:
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
             "usage": {"input_tokens": len(self.prompt), "output_tokens": len(done.tokens)},
-            "prompt_token_ids": self.prompt,
+            **self.prompt_field,
             "token_ids": [t.token_id for t in done.tokens],
             "session_id": self.session_id,
         }
@@ -309,7 +311,7 @@ class MessageShaper:
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": len(self.prompt), "output_tokens": 0},
-            "prompt_token_ids": self.prompt,
+            **self.prompt_field,
             "session_id": self.session_id,
         }
         yield {"type": "message_start", "message": message}
@@ -457,6 +459,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             prompt=started.prompt_token_ids,
             tokens=TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids)),
             stopped_by=stopped_by,
+            show_prompt=self.shows_prompt(req),
         )
 
     def respond(self, req: MessagesRequest, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class WireRequest(BaseModel):
     model: StrictStr | None = None
     stream: StrictBool | None = None
     session_id: StrictStr | None = None
+    # vLLM's name: ask for the prompt's token IDs where the server sends them only when asked
+    # (`--prompt-token-ids asked`)
+    return_token_ids: StrictBool | None = None
 
 
 class ChatFields(WireRequest):

@@ -106,7 +106,9 @@ class OpenAIChat(_OpenAI[ChatCompletionRequest]):
 
     def _wire(self, req: ChatCompletionRequest, started: Started) -> WireBuilder:
         tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
-        return WireBuilder(tokens, req.model, "chat", started.session_id, started.prompt_token_ids)
+        return WireBuilder(
+            tokens, req.model, "chat", started.session_id, started.prompt_token_ids, self.shows_prompt(req)
+        )
 
     def respond(
         self, req: ChatCompletionRequest, call: Call, started: Started, choices: list[ChoiceDone]
@@ -175,7 +177,9 @@ class OpenAICompletions(_OpenAI[CompletionRequest]):
 
     def _wire(self, req: CompletionRequest, started: Started) -> WireBuilder:
         tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
-        return WireBuilder(tokens, req.model, "completion", started.session_id, started.prompt_token_ids)
+        return WireBuilder(
+            tokens, req.model, "completion", started.session_id, started.prompt_token_ids, self.shows_prompt(req)
+        )
 
     def _echo(self, req: CompletionRequest) -> str:
         if not req.echo:
@@ -218,7 +222,9 @@ def _top(req: ChatCompletionRequest) -> int | None:
 class WireBuilder:
     """Shapes one response; holds its id, creation time and model name."""
 
-    def __init__(self, tokens: TokenText, model: str, kind: str, session_id: str, prompt: Sequence[int]) -> None:
+    def __init__(
+        self, tokens: TokenText, model: str, kind: str, session_id: str, prompt: Sequence[int], show_prompt: bool = True
+    ) -> None:
         self.tokens = tokens
         self.model = model
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -227,6 +233,7 @@ class WireBuilder:
         # the tape's int32 array seen as numpy: orjson writes it in C (0.34 against 3.5 ms for a list of
         # Python ints at 128k tokens, on every response)
         self.prompt = wire_ids(prompt)
+        self.prompt_field = {"prompt_token_ids": self.prompt} if show_prompt else {}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -248,7 +255,7 @@ class WireBuilder:
             **self._head(obj),
             "choices": shaped,
             "usage": self.usage(sum(len(c.tokens) for c in choices)),
-            "prompt_token_ids": self.prompt,
+            **self.prompt_field,
             "session_id": self.session_id,
         }
 
@@ -257,7 +264,7 @@ class WireBuilder:
         choice["token_ids"] = [t.token_id for t in tokens]
         chunk: dict[str, Any] = {**self._head(obj), "choices": [choice]}
         if first:
-            chunk["prompt_token_ids"] = self.prompt
+            chunk.update(self.prompt_field)
             chunk["session_id"] = self.session_id
         return chunk
 
@@ -327,7 +334,7 @@ class WireBuilder:
                 "finish_reason": c.finish_reason,
                 "logprobs": None if top is None else self.completion_logprobs(c.tokens, top, len(echo)),
                 "token_ids": [t.token_id for t in c.tokens],
-                "prompt_token_ids": self.prompt,  # per choice too, where vLLM and verifiers look
+                **self.prompt_field,  # per choice too, where vLLM and verifiers look
             }
             for c in choices
         ]

@@ -254,12 +254,21 @@ class _OpenItem:
 class ResponseShaper:
     """Shapes one response: the whole object, or the stream of events that builds it."""
 
-    def __init__(self, req: ResponsesRequest, *, session_id: str, prompt: Sequence[int], tokens: TokenText) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        *,
+        session_id: str,
+        prompt: Sequence[int],
+        tokens: TokenText,
+        show_prompt: bool = True,
+    ) -> None:
         self.req = req
         self.id = _new_id("resp")
         self.created = time.time()
         self.session_id = session_id
         self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
+        self.prompt_field = {"prompt_token_ids": self.prompt} if show_prompt else {}
         self.tokens = tokens
         self._top = (req.top_logprobs or 0) if req.wants_logprobs else None  # None: no logprobs asked
         self._tools = req.tools or []
@@ -295,7 +304,7 @@ class ResponseShaper:
             "usage": None,
             "error": None,
             "incomplete_details": None,
-            "prompt_token_ids": self.prompt,
+            **self.prompt_field,
             "session_id": self.session_id,
         }
 
@@ -552,7 +561,13 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
         tokens = TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
-        return ResponseShaper(req, session_id=started.session_id, prompt=started.prompt_token_ids, tokens=tokens)
+        return ResponseShaper(
+            req,
+            session_id=started.session_id,
+            prompt=started.prompt_token_ids,
+            tokens=tokens,
+            show_prompt=self.shows_prompt(req),
+        )
 
     def _remember(self, req: ResponsesRequest, call: Call, shaper: ResponseShaper, done: ChoiceDone) -> None:
         """Keeps the conversation for a later `previous_response_id` (a dict insert: cannot fail)."""
