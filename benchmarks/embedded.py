@@ -15,13 +15,25 @@ URL` runs the same sessions against an OpenAI-compatible server instead (llama.c
 -np N` on the same GGUF), each turn sending the whole history.
 
     python benchmarks/embedded.py --sessions 1,4,16,64 --turns 3 --max-tokens 16 [--parallel 16]
+
+Beside llama.cpp's own server (`--llama-server BIN`): `tokentape serve` as it starts by default (the
+shipped Q4_1 GGUF, its default threads and parallel; `--serve-args` adds options) and `llama-server`
+on the same GGUF with `-t THREADS -np N` (N = the sessions), both as processes of their own, driven by
+the same client: 1 and 16 concurrent two-turn sessions (`--sessions`), up to `--max-tokens` tokens a
+turn at the client's default sampling (temperature 1), rounds interleaved, medians of completion
+tokens/s. The machine's load average is printed with each row.
+
+    python benchmarks/embedded.py --llama-server path/to/llama-server --sessions 1,16 --turns 2 --max-tokens 96
+        [--rounds 3] [--server-threads 2] [--serve-args "--threads 2"]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,16 +142,23 @@ class SessionsRun:
 
 
 async def session(
-    client: openai.AsyncOpenAI, model: str, first: str, turns: int, max_tokens: int, run: SessionsRun
+    client: openai.AsyncOpenAI,
+    model: str,
+    first: str,
+    turns: int,
+    max_tokens: int,
+    run: SessionsRun,
+    greedy: bool = True,
 ) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    sampling: dict[str, Any] = {"temperature": 0.0} if greedy else {}
     for turn in range(turns):
         start = time.perf_counter()
         reply = await client.chat.completions.create(
             model=model,
             messages=messages,  # type: ignore[arg-type]
             max_tokens=max_tokens,
-            temperature=0.0,
+            **sampling,
         )
         run.latencies.append(time.perf_counter() - start)
         assert reply.usage is not None
@@ -175,13 +194,18 @@ async def sessions_in_process(
     return run
 
 
-async def sessions_on_server(count: int, args: argparse.Namespace, tag: int | None = None) -> SessionsRun:
+async def sessions_on_server(
+    count: int, args: argparse.Namespace, tag: int | None = None, *, url: str | None = None, greedy: bool = True
+) -> SessionsRun:
     run = SessionsRun()
     async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=count + 4)) as http:
-        client = openai.AsyncOpenAI(base_url=f"{args.server}/v1", api_key="bench", max_retries=0, http_client=http)
+        base = url or args.server
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="bench", max_retries=0, http_client=http)
+        model = MODEL if url else "model"
         start = time.perf_counter()
+        first = [first_message(count if tag is None else tag, i) for i in range(count)]
         await asyncio.gather(
-            *(session(client, "model", first_message(count, i), args.turns, args.max_tokens, run) for i in range(count))
+            *(session(client, model, first[i], args.turns, args.max_tokens, run, greedy) for i in range(count))
         )
         run.seconds = time.perf_counter() - start
     return run
@@ -224,6 +248,111 @@ async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
         await gateway.aclose()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def beside_llama_server(args: argparse.Namespace) -> None:
+    """`tokentape serve` on its defaults and llama-server on the same GGUF, one process each, in
+    interleaved rounds: completion tokens/s at each count of concurrent sessions."""
+    import contextlib
+    import shlex
+    import subprocess
+
+    import httpx
+
+    def started(command: list[str], url: str) -> subprocess.Popen[bytes]:
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited: {child.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return child
+            time.sleep(0.5)
+        child.kill()
+        raise TimeoutError(f"{command} did not start")
+
+    def stopped(child: subprocess.Popen[bytes]) -> None:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+    gguf = str(embedded_model_path())
+    counts = [int(c) for c in args.sessions.split(",")]
+    rates: dict[tuple[int, str], list[float]] = {}
+    for round_ in range(args.rounds):
+        for count in counts:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            ours = [
+                "tokentape",
+                [
+                    sys.executable,
+                    "-m",
+                    "tokentape",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    "--store",
+                    ":memory:",
+                    *shlex.split(args.serve_args),
+                ],
+            ]
+            # llama-server's context is shared by its slots: the same per-sequence room as tokentape's
+            theirs = [
+                "llama-server",
+                [
+                    args.llama_server,
+                    "-m",
+                    gguf,
+                    "--port",
+                    str(port),
+                    "-t",
+                    str(args.server_threads),
+                    "-np",
+                    str(count),
+                    "-c",
+                    str(CONTEXT * count),
+                    "--no-webui",
+                ],
+            ]
+            pair = [ours, theirs] if round_ % 2 == 0 else [theirs, ours]
+            for name, command in pair:
+                child = started(command, url)  # type: ignore[arg-type]
+                try:
+                    asyncio.run(sessions_on_server(1, args, tag=0, url=url, greedy=False))  # warm up
+                    run = asyncio.run(sessions_on_server(count, args, tag=round_, url=url, greedy=False))
+                finally:
+                    stopped(child)
+                rates.setdefault((count, str(name)), []).append(run.tokens / run.seconds)
+                print(
+                    f"round {round_} {name:>12} {count:>3} sessions: {run.tokens / run.seconds:7.1f} tok/s "
+                    f"(load average {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
+    print(
+        f"\nSmolLM2-135M Q4_1 (the shipped GGUF), {args.turns} turns x up to {args.max_tokens} tokens a session, "
+        f"client's default sampling; tokentape serve {args.serve_args or '(defaults)'}; llama-server "
+        f"-t {args.server_threads} -np <sessions>; medians of {args.rounds} rounds"
+    )
+    print(f"{'sessions':>8} {'llama-server tok/s':>19} {'tokentape tok/s':>16} {'ratio':>6}")
+    for count in counts:
+        theirs_rate = statistics.median(rates[(count, "llama-server")])
+        ours_rate = statistics.median(rates[(count, "tokentape")])
+        print(f"{count:>8} {theirs_rate:>19.1f} {ours_rate:>16.1f} {ours_rate / theirs_rate:>5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -234,7 +363,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=0, help="the engine's parallel setting (0: its default)")
     parser.add_argument("--server", help="an OpenAI-compatible server to run the sessions against instead")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: tokentape serve beside it")
+    parser.add_argument("--server-threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t")
+    parser.add_argument("--serve-args", default="", help="options added to `tokentape serve`")
     args = parser.parse_args()
+    if args.llama_server:
+        beside_llama_server(args)
+        return
     if args.sessions:
         concurrent_sessions(args)
         return
