@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.core.sampling import SamplingParams
 from tokentape.engines import batching
+from tokentape.engines.base import Constraint
 from tokentape.engines.gbnf import (
     MAX_AMBIGUOUS_REPEATS,
     MAX_GRAMMAR_ALTERNATIVES,
@@ -241,3 +243,42 @@ async def test_a_grammar_that_is_merely_slow_still_completes(
     choice = response.json()["choices"][0]
     if choice["finish_reason"] == "stop":
         assert isinstance(json.loads(choice["message"]["content"])["ok"], bool)
+
+
+async def test_a_generation_cancelled_while_its_grammar_masks_ends_and_its_grammar_is_freed_after(
+    http: httpx.AsyncClient, engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone while its grammar is still masking: the worker drops the generation at once (its
+    slot free for others), and frees the grammar only when the thread using it is done with it."""
+    batcher = engine._batcher
+    real_make_mask = batcher._make_mask
+    release = threading.Event()
+    held: list[_HeldMask] = []
+
+    def make_mask(native: Any, grammar: str) -> Any:
+        mask = _HeldMask(real_make_mask(native, grammar), release)
+        held.append(mask)
+        return mask
+
+    monkeypatch.setattr(batcher, "_make_mask", make_mask)
+    constraint = Constraint("json_schema", json.dumps({"type": "string"}))
+    tokens = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), seed=1, constraint=constraint)
+    try:
+        first = asyncio.ensure_future(anext(tokens))
+        while not (held and held[0].applying.is_set()):
+            await asyncio.sleep(0.01)
+        first.cancel()  # the listener goes away mid-token
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE
+        while batcher.active and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert not batcher.active  # dropped while its mask was still being applied
+        assert not held[0].closed.is_set()
+        await _served(http, "meanwhile")
+    finally:
+        release.set()
+        await tokens.aclose()
+    assert await asyncio.to_thread(held[0].closed.wait, DEADLINE)
+    await _served(http, "after")
