@@ -17,11 +17,12 @@ Limits (each refused with a ValueError naming it, which callers answer with a 40
   group per count, `(c (c (c)?)?)?`, and llama.cpp's grammar parser recurses once per group on the
   engine's worker thread: about 20,000 levels overflow its stack and kill the process. llama.cpp refuses
   deeper than about 1,000 levels itself once parsed; past `MAX_GRAMMAR_DEPTH` a grammar never reaches it.
-- Ambiguity: a group that can match in more than one way (`(a?)`, `(a+)`, `(a|ab)`) repeated `{n}`
-  times leaves llama.cpp's grammar sampler as many ways to be at once, and its cost grows about with
-  the fourth power of that: `^(a?){160}$` took half a minute a token, `^((a?){10}){10}$` five seconds.
-  The product of the counts of such repeated groups, nested in each other, is bounded
-  (`MAX_AMBIGUOUS_REPEATS`); a repeated single character or class (`[a-z]{1,64}`) is no such group.
+- Ambiguity: optional items side by side (`a?a?a?...`), or a group that can match in more than one
+  way (`(a?)`, `(a+)`, `(a|ab)`) repeated `{n}` times, leave llama.cpp's grammar sampler as many ways
+  to be at once, and its cost grows about with the fourth power of that: `^(a?){160}$` took half a
+  minute a token, 160 `a?` side by side 17 s, `^((a?){10}){10}$` five seconds. That measure (nested
+  counts multiplied) is bounded (`MAX_AMBIGUOUS_REPEATS`); a repeated single character or class
+  (`[a-z]{1,64}`) nests its optional copies, one way to be at a time, and counts once.
 - Size: every alternative of a grammar is followed on every token, over the whole vocabulary; an enum
   of 50,000 values cost the worker seconds per token, for every generation in its batch. A grammar's
   alternatives are bounded (`MAX_GRAMMAR_ALTERNATIVES`), and so is its text (`MAX_GRAMMAR_CHARS`).
@@ -87,8 +88,8 @@ def _repetitions(schema: Any) -> int:
                 repeats = _ambiguous_repeats(value)
                 if repeats > MAX_AMBIGUOUS_REPEATS:
                     raise ValueError(
-                        f"the pattern {value[:80]!r} repeats a group that can match in several ways {repeats} times"
-                        f" (nested counts multiplied); at most {MAX_AMBIGUOUS_REPEATS} are enforced"
+                        f"the pattern {value[:80]!r} can match in several ways at {repeats} places at once (optional"
+                        f" items, repeated groups that hold a choice); at most {MAX_AMBIGUOUS_REPEATS} are enforced"
                     )
                 for low, high in _QUANTIFIER.findall(value):
                     total += min(max(int(low or 0), int(high or 0)), MAX_REPETITIONS + 1)
@@ -100,12 +101,15 @@ def _repetitions(schema: Any) -> int:
 
 
 def _ambiguous_repeats(pattern: str) -> int:
-    """The largest product of `{m,n}` counts of nested groups that hold a choice (`?`, `*`, `+`, `{`,
-    `|`, or another group) in a regular expression; 1 if it repeats none."""
-    stack: list[list[Any]] = [[False, 1]]  # per open group: whether it holds a choice, its deepest product
+    """How many ways a regular expression leaves to be at once, roughly: per group (and the whole),
+    its optional or variable items (`?`, `*`, `+`, `{m,n}`) side by side, or the measure of a group
+    nested in it, whichever is larger; a group that holds a choice, repeated `{n}` times, counts n times
+    its measure. `^(a?){160}$`, `^a?a?...a?$` (160) and `^((a?){10}){10}$` measure 160, 160 and 100."""
+    stack: list[list[int]] = [[0, 1, 0]]  # per open group: holds a choice, its deepest measure, its variable items
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
+        frame = stack[-1]
         if c == "\\":
             i += 2
             continue
@@ -114,20 +118,29 @@ def _ambiguous_repeats(pattern: str) -> int:
             while i < n and pattern[i] != "]":
                 i += 2 if pattern[i] == "\\" else 1
         elif c == "(":
-            stack[-1][0] = True
-            stack.append([False, 1])
+            frame[0] = 1
+            stack.append([0, 1, 0])
         elif c == ")" and len(stack) > 1:
-            choice, inner = stack.pop()
+            choice, inner, variable = stack.pop()
+            measure = max(inner, variable, 1)
             quantifier = _QUANTIFIER.match(pattern, i + 1)
             count = 1
-            if quantifier is not None:
+            if quantifier is not None and quantifier.group(2) is None:  # {n}: exactly n times
+                count = min(int(quantifier.group(1) or 1), MAX_REPETITIONS + 1)
+            elif quantifier is not None:  # {m,n}: n times at most (an open end counts as one more choice)
                 low, high = quantifier.groups()
                 count = min(max(int(low or 0), int(high or 0), 1), MAX_REPETITIONS + 1)
-            stack[-1][1] = max(stack[-1][1], inner * count if choice else inner)
-        elif c in "?*+{|":
-            stack[-1][0] = True
+            stack[-1][1] = max(stack[-1][1], measure * count if choice else measure)
+        elif c in "?*+|":
+            frame[0] = 1
+            frame[2] += c != "|"
+        elif c == "{":
+            frame[0] = 1
+            quantifier = _QUANTIFIER.match(pattern, i)
+            if quantifier is not None and quantifier.group(2) not in (None, quantifier.group(1)):  # {m,n}, m != n
+                frame[2] += 1
         i += 1
-    return max(int(frame[1]) for frame in stack)
+    return max(max(frame[1], frame[2]) for frame in stack)
 
 
 def check_grammar(gbnf: str) -> None:
