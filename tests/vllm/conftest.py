@@ -27,6 +27,7 @@ import pytest
 
 from tests.support.fake_engines import serving
 from tests.support.recording_proxy import RecordingProxy
+from tokentape.engines.remote.vllm import LORA_NAME
 from tokentape.launcher import RunningServer, free_port, running_server
 from tokentape.runtime import embedded_model_path
 
@@ -126,12 +127,26 @@ def vllm_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
 
 
 @pytest.fixture(scope="session")
-def vllm_lora_server(vllm_model_dir: Path) -> Iterator[VLLMServer]:
-    """A second vLLM that takes new weights at run time: LoRA adapters (rank up to 8) loaded in place,
-    and the dev-mode routes (pause, resume, prefix-cache reset, collective RPC)."""
+def _vllm_lora_process(vllm_model_dir: Path) -> Iterator[VLLMServer]:
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with _launched(vllm_model_dir, "vllm-lora-serve.log", ["--enable-lora", "--max-lora-rank", "8"], env) as server:
+        # vLLM builds its OpenAPI schema on the first request for it (seconds under load): done here,
+        # not inside the first timed weight update
+        httpx.get(f"{server.url}/openapi.json", timeout=300).raise_for_status()
         yield server
+
+
+@pytest.fixture
+def vllm_lora_server(_vllm_lora_process: VLLMServer) -> VLLMServer:
+    """A second vLLM that takes new weights at run time: LoRA adapters (rank up to 8) loaded in place,
+    and the dev-mode routes (pause, resume, prefix-cache reset, collective RPC). Shared by the tests,
+    each of which starts on the base model: an adapter an earlier test left loaded is unloaded (an
+    engine that finds it among vLLM's models generates under it)."""
+    server = _vllm_lora_process
+    httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": LORA_NAME}, timeout=60)  # 4xx: none
+    served = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
+    assert LORA_NAME not in served, served
+    return server
 
 
 @contextlib.contextmanager

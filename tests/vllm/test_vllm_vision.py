@@ -8,8 +8,9 @@ prompt the gateway sent (read from the recording proxy) must be vLLM's own rende
 conversation (`/v1/chat/completions/render`), with each reply the tokens vLLM sampled in place of its
 text: the same tokens, the same image placeholder runs at the same places, the same image hashes;
 and vLLM must take it (status 200, its prompt count the tape's). The first turn's image tensors are
-also shown to change what vLLM computes. Random weights sample nonsense: nothing here depends on
-what they sample.
+also shown to change what vLLM computes. Then the same screenshot on every turn (rendered once), and
+what vLLM's token route takes for an image it was sent before (its hash alone). Random weights sample
+nonsense: nothing here depends on what they sample.
 """
 
 from __future__ import annotations
@@ -265,6 +266,9 @@ async def test_screenshots_over_four_turns_are_what_vllm_renders_and_takes(
         assert features["mm_placeholders"]["image"] == places
         assert features["mm_hashes"]["image"] == reference["features"]["mm_hashes"]["image"]
         assert len(places) == sum(len(images) for _, images in TURNS[: turn + 1])
+        if turn >= 2:  # the first screenshot shown again: the same image to vLLM, at another run
+            hashes = features["mm_hashes"]["image"]
+            assert hashes[3] == hashes[0] and len(set(hashes)) == 3
         replies.append(tokens[start:end])
 
     # the image tensors the gateway sent are what vLLM computed from: the first request again straight
@@ -328,3 +332,50 @@ async def test_the_same_screenshot_again_is_rendered_once_and_generates_in_secon
     assert all(e.status == 200 for e in exchanges)
     FIGURES["vision: seconds per turn, one 1280x800 screenshot shown again each turn"] = [f"{s:.2f}" for s in seconds]
     FIGURES["vision: median of those"] = round(statistics.median(seconds), 2)
+
+
+def _generate(server: VLLMServer, prompt: dict[str, Any], kwargs_data: list[str | None], salt: str) -> httpx.Response:
+    features = {
+        "mm_hashes": prompt["features"]["mm_hashes"],
+        "mm_placeholders": prompt["features"]["mm_placeholders"],
+        "kwargs_data": {"image": kwargs_data},
+    }
+    body = {
+        "model": VISION_MODEL,
+        "token_ids": prompt["token_ids"],
+        "features": features,
+        "sampling_params": {"max_tokens": 1, "temperature": 0, "logprobs": 0},
+        "cache_salt": salt,  # no prefix-cache hit between the requests compared
+    }
+    return httpx.post(f"{server.url}{GENERATE}", json=body, timeout=300)
+
+
+def test_vllm_takes_an_image_it_was_sent_before_by_its_hash_alone(vision_server: VLLMServer) -> None:
+    """What vLLM 0.32's token route allows for images already sent (the gateway sends every image's
+    tensors on every turn): an item's `kwargs_data` may be null, and vLLM then takes the tensors it
+    keeps by the item's hash from an earlier request (an LRU of `--mm-processor-cache-gb`, 4 GiB by
+    default, in its engine process). The same logprob as with the tensors; an image it was never sent
+    is refused (a 500, "Internal server error", in 0.32). Timed: the request with four screenshots'
+    tensors against the same request naming them by hash."""
+    shot = image_part(screenshot(5, (1280, 800)))
+    prompt = render(
+        vision_server, [{"role": "user", "content": [shot, shot, shot, shot, {"type": "text", "text": "?"}]}]
+    )
+    tensors = prompt["features"]["kwargs_data"]["image"]
+    assert len(tensors) == 4 and all(tensors)
+    started = time.monotonic()
+    sent = _generate(vision_server, prompt, tensors, "with-tensors")
+    with_tensors = time.monotonic() - started
+    assert sent.status_code == 200, sent.text
+    started = time.monotonic()
+    by_hash = _generate(vision_server, prompt, [None] * 4, "by-hash")
+    hash_only = time.monotonic() - started
+    assert by_hash.status_code == 200, by_hash.text
+    assert first_logprob(by_hash.json()) == first_logprob(sent.json())
+
+    never = render(vision_server, [{"role": "user", "content": [image_part(screenshot(6, (800, 500)))]}])
+    assert _generate(vision_server, never, [None], "never-sent").status_code != 200
+    assert httpx.get(f"{vision_server.url}/health", timeout=10).status_code == 200  # and vLLM goes on
+
+    FIGURES["vision: 4 screenshots' tensors in one request (MB of JSON)"] = round(sum(len(t) for t in tensors) / 1e6, 1)
+    FIGURES["vision: that request with the tensors / by hash alone (s)"] = [round(with_tensors, 2), round(hash_only, 2)]
