@@ -30,7 +30,10 @@ Two tables:
   tokenizes the whole transcript once) is reported apart.
 
     python benchmarks/agent_load.py [--levels 32 96 192 384 1024] [--rounds 2] [--histories 1000 8000 32000 128000]
-        [--token-fields always|asked]
+        [--no-asked]
+
+Unless `--no-asked`, a second tokentape runs beside the first with `--prompt-token-ids asked` (its
+responses leave out the history's token IDs, which the agents never read): "tokentape, asked".
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ OUTPUT_MAX_TOKENS = 4000
 CHARS_PER_TOKEN = 3.6  # of the generated code-like text under Qwen2.5's tokenizer (measured)
 TEXT_MAX_TOKENS = 16  # a text answer: the scripted engine's 15 words and its end of turn
 HISTORY_TURNS = 6
+ASKED = "tokentape, asked"
 
 VOCABULARY = [
     *("def", "return", "self", "import", "from", "class", "for", "while", "if", "else", "None", "True"),
@@ -228,6 +232,7 @@ async def episodes(target: Target, agents: int, calls_each: int, tag: str) -> Ru
         run.rss = rss_mb(target.pid) if target.pid else 0.0
     if run.failures:
         print(f"  {target.name}: {len(run.failures)} failed calls at {agents} agents, e.g. {run.failures[0]}")
+        print("\n".join(sorted(set(run.failures))[:5]))
     return run
 
 
@@ -294,19 +299,26 @@ async def main(args: argparse.Namespace) -> None:
         stack.callback(shutil.rmtree, scratch, True)
         engine = stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log"))
         command = tokentape_command(ours_port, engine_url, scratch / "tokentape.sqlite3", tokenizer)
-        command += ["--token-fields", args.token_fields] if args.token_fields else []
         ours = stack.enter_context(process(command, f"http://127.0.0.1:{ours_port}/health", scratch / "tokentape.log"))
+        asked: list[Target] = []
+        if args.asked:
+            port = free_port()
+            command = tokentape_command(port, engine_url, scratch / "asked.sqlite3", tokenizer)
+            command += ["--prompt-token-ids", "asked"]
+            child = stack.enter_context(process(command, f"http://127.0.0.1:{port}/health", scratch / "asked.log"))
+            asked = [Target(ASKED, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", child.pid)]
         peer_command = [str(python), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(peer_port)]
         peer_command += ["--worker", f"{engine_url}/v1", "--db-path", str(scratch / "peer.db")]
         peer_command += ["--log-level", "warning"]
         peer = stack.enter_context(process(peer_command, f"http://127.0.0.1:{peer_port}/health", scratch / "peer.log"))
         targets = [
             Target("tokentape", f"http://127.0.0.1:{ours_port}/sessions/{{session}}/v1", ours.pid),
+            *asked,
             Target(PEER_NAME, f"http://127.0.0.1:{peer_port}/sessions/{{session}}/v1", peer.pid),
             Target("direct", f"{engine_url}/v1", None),
         ]
         for target in targets:  # warm up: imports, connections, templates
-            await episodes(target, 2, 4, f"{target.name}:warmup")
+            await episodes(target, 2, 4, f"t{targets.index(target)}:warmup")
         print(
             f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; Qwen2.5's template; "
             f"{TURNS} calls an episode, {TOOL_CALL_SHARE:.0%} tool calls, {STREAM_SHARE:.0%} streamed, tool output "
@@ -320,8 +332,10 @@ async def main(args: argparse.Namespace) -> None:
                 shift = round_ % len(targets)
                 for target in targets[shift:] + targets[:shift]:
                     before = cpu_seconds(engine.pid)
-                    run = await episodes(target, agents, TURNS * args.episodes, f"{target.name}:{agents}-{round_}")
-                    engine_cpu[target.name].append((cpu_seconds(engine.pid) - before) / len(run.latencies) * 1e3)
+                    tag = f"t{targets.index(target)}:{agents}-{round_}"  # session IDs: letters, digits, - _ . :
+                    run = await episodes(target, agents, TURNS * args.episodes, tag)
+                    calls = max(1, len(run.latencies))
+                    engine_cpu[target.name].append((cpu_seconds(engine.pid) - before) / calls * 1e3)
                     runs[target.name].append(run)
             report_level(agents, runs, rss_start)
             spent = ", ".join(f"{name} {med(values):.2f}" for name, values in engine_cpu.items())
@@ -329,18 +343,17 @@ async def main(args: argparse.Namespace) -> None:
         if args.histories:
             later = HISTORY_TURNS - 1
             print(f"\nhistory length: CPU ms per call, one agent at a time, {later} calls after the opening")
-            head = f"{'history tokens':>16} {'tokentape':>10} {'peer':>8} {'ratio':>6}"
-            print(head + f" {'opening: tokentape':>19} {'peer':>8}")
-            base: float | None = None
+            gateways = [t for t in targets if t.pid]
+            print(f"{'history tokens':>16}" + "".join(f" {t.name:>18}" for t in gateways) + "   opening call")
+            first: dict[str, float] = {}
             for history in args.histories:
                 sessions = max(4, 256_000 // history)
-                ours_open, ours_call = await history_costs(targets[0], history, sessions, "hist")
-                peer_open, peer_call = await history_costs(targets[1], history, sessions, "hist")
-                base = base or ours_call
-                print(
-                    f"{history:>16} {ours_call:>10.2f} {peer_call:>8.2f} {ours_call / peer_call:>6.2f} "
-                    f"{ours_open:>19.1f} {peer_open:>8.1f}   (x{ours_call / base:.2f} of the first row)"
-                )
+                costs = {t.name: await history_costs(t, history, sessions, "hist") for t in gateways}
+                for name, (_, call) in costs.items():
+                    first.setdefault(name, call)
+                row = "".join(f" {call:>8.2f} (x{call / first[name]:.2f})" for name, (_, call) in costs.items())
+                opening = ", ".join(f"{opening:.1f}" for opening, _ in costs.values())
+                print(f"{history:>16}{row}   {opening}")
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 
@@ -350,5 +363,5 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--episodes", type=int, default=1, help="whole episodes per agent in a run")
     parser.add_argument("--histories", type=int, nargs="*", default=[1000, 8000, 32000, 128000])
-    parser.add_argument("--token-fields", choices=["always", "asked"], help="tokentape's --token-fields")
+    parser.add_argument("--asked", action=argparse.BooleanOptionalAction, default=True, help="add tokentape, asked")
     asyncio.run(main(parser.parse_args()))
