@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import base64
 import io
+import json
 import sys
 import tempfile
 import time
@@ -154,15 +155,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     seconds = [s[0] for s in result["samples"]]
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=120)
-    ax.plot(seconds, [s[1] / 2**20 for s in result["samples"]], label="process RSS")
-    ax.plot(seconds, [s[2] / 2**20 for s in result["samples"]], label="held against the budget")
-    ax.plot(seconds, [s[4] / 2**20 for s in result["samples"]], label="of which image bytes (cache)")
-    ax.axhline(result["budget"] / 2**20, color="grey", linestyle="--", label="--max-memory-bytes")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"{result['sessions']} sessions x {result['turns']} turns, a new 1280x800 screenshot each turn")
-    ax.legend(loc="upper left")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.4), dpi=120, sharex=True)
+    top.plot(seconds, [s[1] / 2**20 for s in result["samples"]], label="process RSS")
+    top.set_ylabel("MiB")
+    top.legend(loc="lower right")
+    bottom.plot(seconds, [s[2] / 2**20 for s in result["samples"]], label="held against the budget")
+    bottom.plot(seconds, [s[4] / 2**20 for s in result["samples"]], label="of which image bytes (cache, pinned)")
+    bottom.axhline(result["budget"] / 2**20, color="grey", linestyle="--", label="--max-memory-bytes")
+    bottom.set_xlabel("seconds")
+    bottom.set_ylabel("MiB")
+    bottom.legend(loc="lower right")
+    top.set_title(f"{result['sessions']} sessions x {result['turns']} turns, a new 1280x800 screenshot each turn")
     fig.tight_layout()
     fig.savefig(path)
 
@@ -184,6 +187,7 @@ def main() -> None:
     for name, value in result.items():
         print(f"{name:>14}: {value:,.0f}" if isinstance(value, (int, float)) else f"{name:>14}: {value}")
     if args.png is not None:
+        args.png.with_suffix(".json").write_text(json.dumps({**result, "samples": samples}))
         plot({**result, "samples": samples}, args.png)
         print(f"curve: {args.png}")
 
