@@ -43,6 +43,7 @@ from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import LogprobMode, SampledToken
 from tokentape.engines.sampler import LogitShaper, sample_token
 from tokentape.engines.slots import SlotTable, shared_prefix
+from tokentape.engines.threads import ThreadTuner
 from tokentape.errors import InvalidRequest
 
 __all__ = ["Batcher", "Generation", "Native", "NativeSettings", "WorkerFault", "DONE", "GRAMMAR_SECONDS"]
@@ -202,8 +203,12 @@ class Batcher:
         sequences: int,
         make_mask: Callable[[Native, str], Any],
         on_finish: Callable[[Generation], None],
+        threads: int = 1,
+        tuner: ThreadTuner | None = None,
     ) -> None:
         self.native = native
+        self.threads = threads  # what the native context computes with now
+        self.tuner = tuner  # None: `threads` stays, unless set_threads asks for others
         self.parallel = parallel
         self.slots = SlotTable(sequences)
         self.version = 0  # the weights version new KV is computed under
@@ -325,8 +330,9 @@ class Batcher:
                 self._pending.append(item)  # type: ignore[arg-type]
             closing = self._drain()
             self._admit()
-            if self._threads is not None:
-                self.native.set_threads(self._threads)
+            if self._threads is not None:  # asked for: fixed from now on
+                self.tuner = None
+                self._use_threads(self._threads)
                 self._threads = None
             if self.active:
                 self._step()
@@ -458,16 +464,25 @@ class Batcher:
             if not rows:  # every running generation waits for its grammar
                 self._await_masks(_MASK_POLL_SECONDS)
                 return
+            if self.tuner is not None:
+                self._use_threads(self.tuner.threads_for(len(rows)))
             started = time.perf_counter()
             status = self.native.decode(rows)
             self._decode_seconds = time.perf_counter() - started
             if status == 0:
+                if self.tuner is not None:
+                    self.tuner.record(self.threads, len(rows), self._decode_seconds)
                 self._after(rows, outputs)
                 return
             if status != 1 or not self._make_room():
                 self._recover(RuntimeError(f"llama_decode returned {status}"))
                 return
             # the cache was full: an idle slot was emptied or a generation gave its KV back; again
+
+    def _use_threads(self, threads: int) -> None:
+        if threads != self.threads:
+            self.native.set_threads(threads)
+            self.threads = threads
 
     def _after(self, rows: list[tuple[int, int, int, bool]], outputs: list[tuple[Generation, int]]) -> None:
         self.steps += 1

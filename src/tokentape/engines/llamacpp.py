@@ -38,6 +38,7 @@ from tokentape.engines.batching import DONE, Batcher, Generation, Native, Native
 from tokentape.engines.gbnf import check_grammar, schema_grammar
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
 from tokentape.engines.sampler import LogitShaper
+from tokentape.engines.threads import ThreadTuner
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
 
@@ -53,8 +54,9 @@ _WORKER_CHECK_SECONDS = 5.0
 
 
 def default_threads() -> int:
-    # ggml's thread pool busy-waits: using every core next to any other busy process (the agent,
-    # a test runner) slows generation by two orders of magnitude. Leave one core free.
+    # ggml's threads wait for each other after every operation: using every core next to any other
+    # busy process (the agent, a test runner) slows generation several times over. Start with one
+    # core free; with threads=0 the engine also tries every core and keeps what runs faster (`threads`).
     return max(1, (os.cpu_count() or 2) - 1)
 
 
@@ -73,7 +75,7 @@ def default_cache_tokens(context_length: int, parallel: int) -> int:
 class LlamaCppSettings:
     model_path: Path
     context_length: int = 8192  # per sequence: prompt + generation
-    threads: int = 0  # 0: default_threads()
+    threads: int = 0  # 0: default_threads(), or every core while that runs faster (engines.threads)
     batch_size: int = 512
     # Flash attention stays off on the CPU: on, it moved logprobs by up to 0.1 nats.
     flash_attention: bool = False
@@ -88,9 +90,9 @@ class LlamaCppEngine:
     """A GGUF model in-process. `generate` is safe to call from many tasks at once."""
 
     def __init__(self, settings: LlamaCppSettings) -> None:
-        import llama_cpp
+        from tokentape.engines.native import llama_cpp as load
 
-        self._lib = llama_cpp
+        llama_cpp = self._lib = load()
         self.settings = settings
         self.parallel = settings.parallel or DEFAULT_PARALLEL
         self.context_length = settings.context_length
@@ -117,10 +119,13 @@ class LlamaCppEngine:
         self.waiting = 0  # generations queued or running
         self._counting = threading.Lock()
         self.tokens_generated = 0  # every token handed over since start, aborted generations included
+        tuned = not settings.threads and all_threads() > self.threads
         self._batcher = Batcher(
             native,
             parallel=self.parallel,
             sequences=self._sequences,
+            threads=self.threads,
+            tuner=ThreadTuner(self.threads, all_threads()) if tuned else None,
             make_mask=lambda n, grammar: _GrammarMask(self._lib, n, grammar),
             on_finish=self._finished,
         )
@@ -251,7 +256,10 @@ class LlamaCppEngine:
             "flash_attention": self.settings.flash_attention,
             "parallel": self.parallel,
             "cache_tokens": self.cache_tokens,
-            "threads": self.threads,
+            "threads": self._batcher.threads,  # what the last step ran with
+            "threads_tuned": None
+            if self._batcher.tuner is None
+            else [self._batcher.tuner.low, self._batcher.tuner.high],
             "waiting": self.waiting,
             "running": len(batcher.active),
             "tokens_generated": self.tokens_generated,
@@ -392,6 +400,7 @@ class LlamaCppEngine:
             native.close()
             raise WeightUpdateFailed(f"{path} loaded with another vocabulary size")
         old, self._batcher.native = self._batcher.native, native
+        self._batcher.threads = self.threads  # what the new context was made with
         self._batcher.reset_slots()  # the new context's cache is empty
         self._free_adapter()  # belongs to the old model, freed before it
         self._batcher.when_grammars_done(old.close)  # a failed generation's grammar may still read it

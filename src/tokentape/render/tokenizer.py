@@ -52,8 +52,9 @@ class GGUFTokenizer:
     otherwise, and for text `tokenizers` cannot take (lone surrogates)."""
 
     def __init__(self, model_path: Path) -> None:
-        import llama_cpp
+        from tokentape.engines.native import llama_cpp as load
 
+        llama_cpp = load()
         self._llama = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
         vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
         self._vocab = vocab
@@ -98,7 +99,8 @@ class GGUFTokenizer:
         count = self._tokenize(self._vocab, data, len(data), tokens, room, False, special)
         if count < 0:
             raise RuntimeError(f"llama.cpp could not tokenize {len(data)} bytes (it needed {-count} tokens)")
-        return tokens[:count]
+        ids: list[int] = tokens[:count]
+        return ids
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, bounded cache
     def token_bytes(self, token_id: int) -> bytes:
