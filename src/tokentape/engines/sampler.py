@@ -131,8 +131,34 @@ def _draw(logp: Floats, params: SamplingParams, rng: np.random.Generator) -> int
         nucleus[order[: last + 1]] = True
         keep &= nucleus
     weights = np.where(keep, probs, 0.0)
+    return _inverse_cdf(weights, rng.random())
+
+
+_BLOCK = 512  # the draw finds a block of this many tokens by their sums, then the token inside it
+
+
+def _inverse_cdf(weights: Floats, uniform: float) -> int:
+    """The first token whose cumulative weight passes `uniform` x the total (a token with weight > 0).
+    A cumulative sum over the whole row is sequential (0.4 ms for 49k tokens, a third of a sampled
+    token's cost); over the blocks' sums and then one block it is two short ones."""
+    size = weights.size
+    if size <= _BLOCK:
+        return _first_past(weights, uniform * float(np.sum(weights)))
+    padded = np.zeros(-(-size // _BLOCK) * _BLOCK)
+    padded[:size] = weights
+    blocks = padded.reshape(-1, _BLOCK)
+    ends = np.cumsum(blocks.sum(axis=1))
+    point = uniform * float(ends[-1])
+    block = min(int(np.searchsorted(ends, point, side="right")), ends.size - 1)
+    while block > 0 and ends[block] == ends[block - 1]:  # rounding landed past the weight: step back to it
+        block -= 1
+    start = float(ends[block - 1]) if block else 0.0
+    return block * _BLOCK + _first_past(blocks[block], point - start)
+
+
+def _first_past(weights: Floats, point: float) -> int:
+    """The first index whose cumulative weight passes `point`, or, where rounding put the point at or
+    past the end, the last index with weight."""
     cdf = np.cumsum(weights)
-    # the first token whose cumulative weight passes a uniform point (one with weight > 0), or, where
-    # rounding put the point at the very end, the last token with weight
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    index = int(np.searchsorted(cdf, point, side="right"))
     return index if index < weights.size else int(np.flatnonzero(weights)[-1])
