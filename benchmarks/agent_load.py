@@ -298,13 +298,15 @@ async def main(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, True)
         engine = stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log"))
-        command = tokentape_command(ours_port, engine_url, scratch / "tokentape.sqlite3", tokenizer)
+        # past 64 requests at once tokentape answers 429 by default (--max-active): room for every agent
+        admit = ["--max-active", str(2 * max(args.levels, default=64))]
+        command = tokentape_command(ours_port, engine_url, scratch / "tokentape.sqlite3", tokenizer) + admit
         ours = stack.enter_context(process(command, f"http://127.0.0.1:{ours_port}/health", scratch / "tokentape.log"))
         asked: list[Target] = []
         if args.asked:
             port = free_port()
             command = tokentape_command(port, engine_url, scratch / "asked.sqlite3", tokenizer)
-            command += ["--prompt-token-ids", "asked"]
+            command += [*admit, "--prompt-token-ids", "asked"]
             child = stack.enter_context(process(command, f"http://127.0.0.1:{port}/health", scratch / "asked.log"))
             asked = [Target(ASKED, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", child.pid)]
         peer_command = [str(python), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(peer_port)]

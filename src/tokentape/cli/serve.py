@@ -43,7 +43,11 @@ def serve(
     ] = None,
     context_length: Annotated[int, typer.Option(help="Context window in tokens (prompt + generation).")] = 8192,
     threads: Annotated[
-        int, typer.Option(help="CPU threads for the embedded engine. 0: all cores but one (ggml busy-waits).")
+        int,
+        typer.Option(
+            help="CPU threads for the embedded engine. 0: every core while that runs faster, one core free while "
+            "something else computes on the machine (learnt from its own step times)."
+        ),
     ] = 0,
     parallel: Annotated[
         int,
