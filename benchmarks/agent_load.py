@@ -24,12 +24,13 @@ Two tables:
   episodes (a run is at least one episode per agent); throughput as a share of direct, gateway CPU
   per request, added p50 and p99, RSS after the run, and RSS per recorded token (the gateway's RSS
   growth over the level divided by the tokens its tapes hold).
-- **History length**: CPU per request at 1k, 8k, 32k and 128k tokens of history (`--histories`), one
-  agent at a time so each request's CPU is its own: each episode opens with that many tokens of
-  earlier transcript, then `HISTORY_TURNS` calls each adding ~100 tokens; the opening call (which
-  tokenizes the whole transcript once) is reported apart.
+- **History length**: CPU per request at about 1k, 8k, 32k and 128k tokens of history (`--histories`
+  sizes the generated transcript at 3.6 characters a token; Qwen2.5's tokenizer counts about 10% more,
+  and the table shows its count: 115000 makes the 128k row), one agent at a time so each request's
+  CPU is its own: each episode opens with that transcript, then `HISTORY_TURNS` calls each adding
+  ~100 tokens; the opening call (which tokenizes the whole transcript once) is reported apart.
 
-    python benchmarks/agent_load.py [--levels 32 96 192 384 1024] [--rounds 2] [--histories 1000 8000 32000 128000]
+    python benchmarks/agent_load.py [--levels 32 96 192 384 1024] [--rounds 2] [--histories 1000 8000 32000 115000]
         [--no-asked]
 
 Unless `--no-asked`, a second tokentape runs beside the first with `--prompt-token-ids asked` (its
@@ -236,10 +237,11 @@ async def episodes(target: Target, agents: int, calls_each: int, tag: str) -> Ru
     return run
 
 
-async def history_costs(target: Target, history: int, sessions: int, tag: str) -> tuple[float, float]:
-    """(CPU ms of the opening call, CPU ms per later call) at `history` tokens, one agent at a time."""
+async def history_costs(target: Target, history: int, sessions: int, tag: str) -> tuple[float, float, int]:
+    """(CPU ms of the opening call, CPU ms per later call, the last call's tokens) at about `history`
+    tokens of history, one agent at a time."""
     assert target.pid is not None
-    opening, later, count = 0.0, 0.0, 0
+    opening, later, count, tokens = 0.0, 0.0, 0, 0
     rng = random.Random(history)
     async with httpx2.AsyncClient(timeout=600) as http:
         for s in range(sessions):
@@ -248,14 +250,14 @@ async def history_costs(target: Target, history: int, sessions: int, tag: str) -
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": transcript}]
             for turn in range(HISTORY_TURNS):
                 before = cpu_seconds(target.pid)
-                reply, _ = await _call(client, messages, False, False)
+                reply, tokens = await _call(client, messages, False, False)
                 spent = cpu_seconds(target.pid) - before
                 if turn == 0:
                     opening += spent
                 else:
                     later, count = later + spent, count + 1
                 messages += [reply, {"role": "user", "content": code_text(rng, 100)}]
-    return opening / sessions * 1e3, later / count * 1e3
+    return opening / sessions * 1e3, later / count * 1e3, tokens
 
 
 def med(values: list[float]) -> float:
@@ -346,16 +348,17 @@ async def main(args: argparse.Namespace) -> None:
             later = HISTORY_TURNS - 1
             print(f"\nhistory length: CPU ms per call, one agent at a time, {later} calls after the opening")
             gateways = [t for t in targets if t.pid]
-            print(f"{'history tokens':>16}" + "".join(f" {t.name:>18}" for t in gateways) + "   opening call")
+            print(f"{'tokens, last call':>16}" + "".join(f" {t.name:>18}" for t in gateways) + "   opening call")
             first: dict[str, float] = {}
             for history in args.histories:
                 sessions = max(4, 256_000 // history)
                 costs = {t.name: await history_costs(t, history, sessions, "hist") for t in gateways}
-                for name, (_, call) in costs.items():
+                for name, (_, call, _) in costs.items():
                     first.setdefault(name, call)
-                row = "".join(f" {call:>8.2f} (x{call / first[name]:.2f})" for name, (_, call) in costs.items())
-                opening = ", ".join(f"{opening:.1f}" for opening, _ in costs.values())
-                print(f"{history:>16}{row}   {opening}")
+                row = "".join(f" {call:>8.2f} (x{call / first[name]:.2f})" for name, (_, call, _) in costs.items())
+                opening = ", ".join(f"{opening:.1f}" for opening, _, _ in costs.values())
+                measured = max(tokens for _, _, tokens in costs.values())  # as the template and tokenizer count
+                print(f"{measured:>16}{row}   {opening}")
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 
@@ -364,6 +367,6 @@ if __name__ == "__main__":
     parser.add_argument("--levels", type=int, nargs="*", default=[32, 96, 192, 384, 1024])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--episodes", type=int, default=1, help="whole episodes per agent in a run")
-    parser.add_argument("--histories", type=int, nargs="*", default=[1000, 8000, 32000, 128000])
+    parser.add_argument("--histories", type=int, nargs="*", default=[1000, 8000, 32000, 115000])
     parser.add_argument("--asked", action=argparse.BooleanOptionalAction, default=True, help="add tokentape, asked")
     asyncio.run(main(parser.parse_args()))
