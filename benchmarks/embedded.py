@@ -248,94 +248,42 @@ async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
         await gateway.aclose()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def beside_llama_server(args: argparse.Namespace) -> None:
     """`tokentape serve` on its defaults and llama-server on the same GGUF, one process each, in
     interleaved rounds: completion tokens/s at each count of concurrent sessions."""
     import contextlib
     import shlex
-    import subprocess
+    import tempfile
+    from pathlib import Path
 
-    import httpx
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from overhead import process  # a child process, waited for healthy, stopped on exit
 
-    def started(command: list[str], url: str) -> subprocess.Popen[bytes]:
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if child.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited: {child.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return child
-            time.sleep(0.5)
-        child.kill()
-        raise TimeoutError(f"{command} did not start")
+    from tokentape.launcher import free_port
 
-    def stopped(child: subprocess.Popen[bytes]) -> None:
-        child.terminate()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    logs = Path(tempfile.mkdtemp(prefix="tokentape-embedded-"))
+
+    def launched(name: str, port: int, count: int) -> contextlib.AbstractContextManager[object]:
+        if name == "tokentape":
+            return running_server(["--store", ":memory:", *shlex.split(args.serve_args)], port=port)
+        # llama-server's context is shared by its slots: the same per-sequence room as tokentape's
+        command = [args.llama_server, "-m", gguf, "--port", str(port), "-t", str(args.server_threads)]
+        command += ["-np", str(count), "-c", str(CONTEXT * count), "--no-webui"]
+        return process(command, f"http://127.0.0.1:{port}/health", logs / f"llama-server-{port}.log")
 
     gguf = str(embedded_model_path())
     counts = [int(c) for c in args.sessions.split(",")]
     rates: dict[tuple[int, str], list[float]] = {}
     for round_ in range(args.rounds):
         for count in counts:
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
-            ours = [
-                "tokentape",
-                [
-                    sys.executable,
-                    "-m",
-                    "tokentape",
-                    "serve",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                    "--store",
-                    ":memory:",
-                    *shlex.split(args.serve_args),
-                ],
-            ]
-            # llama-server's context is shared by its slots: the same per-sequence room as tokentape's
-            theirs = [
-                "llama-server",
-                [
-                    args.llama_server,
-                    "-m",
-                    gguf,
-                    "--port",
-                    str(port),
-                    "-t",
-                    str(args.server_threads),
-                    "-np",
-                    str(count),
-                    "-c",
-                    str(CONTEXT * count),
-                    "--no-webui",
-                ],
-            ]
-            pair = [ours, theirs] if round_ % 2 == 0 else [theirs, ours]
-            for name, command in pair:
-                child = started(command, url)  # type: ignore[arg-type]
-                try:
+            pair = ["tokentape", "llama-server"] if round_ % 2 == 0 else ["llama-server", "tokentape"]
+            for name in pair:
+                with launched(name, port, count):
                     asyncio.run(sessions_on_server(1, args, tag=0, url=url, greedy=False))  # warm up
                     run = asyncio.run(sessions_on_server(count, args, tag=round_, url=url, greedy=False))
-                finally:
-                    stopped(child)
-                rates.setdefault((count, str(name)), []).append(run.tokens / run.seconds)
+                rates.setdefault((count, name), []).append(run.tokens / run.seconds)
                 print(
                     f"round {round_} {name:>12} {count:>3} sessions: {run.tokens / run.seconds:7.1f} tok/s "
                     f"(load average {os.getloadavg()[0]:.1f})",
