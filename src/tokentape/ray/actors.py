@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,14 +135,20 @@ class RayPeers:
         return self._handles[index]
 
     async def forward(self, index: int, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
-        stream = self._gateway(index).handle.remote(request)
+        owner = self._gateway(index)
+        request_id = uuid.uuid4().hex
+        stream = owner.handle.remote(request, request_id)
         done = False
         try:
             async for ref in stream:
                 yield await ref
             done = True
         finally:
-            if not done:  # the client left: the owner's app sees a disconnect and aborts the generation
+            if not done:
+                # The client left: the owner's app sees a disconnect and aborts the generation (which
+                # records the aborted turn). Said explicitly, not left to the cancel alone: a cancel that
+                # does not reach the owner's coroutine would leave the generation running unread.
+                owner.disconnect.remote(request_id)
                 ray.cancel(stream)
 
     async def finished(self, session_id: str) -> None:
@@ -215,6 +222,7 @@ class GatewayActor:
         if trainer:
             self._own = ((b"authorization", f"Bearer {trainer}".encode()),)
         self.peers = RayPeers(spec.index)
+        self._forwarded: dict[str, asyncio.Event] = {}  # request id -> set when its client leaves
         self.routing = OwnerRouting(
             self.app,
             self.peers,
@@ -238,14 +246,30 @@ class GatewayActor:
         if spec.trajectory_queue:
             self._sweep = asyncio.get_running_loop().create_task(self._hand_off_finished())
 
-    async def handle(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+    async def handle(self, request: HttpRequest, request_id: str = "") -> AsyncIterator[ResponseStart | bytes]:
         """A request for a session this gateway owns, handed over by another process."""
-        parts = self.routing.local(request)
+        gone = self._forwarded.setdefault(request_id, asyncio.Event()) if request_id else None
+        parts = self.routing.local(request, gone)
         try:
             async for part in parts:
                 yield part
         finally:
             await parts.aclose()  # type: ignore[attr-defined]
+            if request_id:
+                self._forwarded.pop(request_id, None)
+
+    async def disconnect(self, request_id: str) -> None:
+        """The client of a request handed over by another gateway left. An async actor may start
+        this before `handle` (no order between them): the request is then born gone, and the mark is
+        dropped after a minute if `handle` never comes (it already finished)."""
+        if (gone := self._forwarded.get(request_id)) is None:
+            gone = self._forwarded[request_id] = asyncio.Event()
+            asyncio.get_running_loop().call_later(60, self._forget_unclaimed, request_id, gone)
+        gone.set()
+
+    def _forget_unclaimed(self, request_id: str, gone: asyncio.Event) -> None:
+        if self._forwarded.get(request_id) is gone:  # a running `handle` keeps its own reference
+            del self._forwarded[request_id]
 
     async def hold_for_update(self, in_flight: InFlight) -> None:
         """A cluster-wide weight update: hold new generations, stop the running ones (at a token

@@ -83,11 +83,14 @@ async def read_body(receive: Callable[[], Awaitable[Message]], limit: int) -> tu
             return b"".join(chunks), False
 
 
-async def run_app(app: App, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
+async def run_app(
+    app: App, request: HttpRequest, gone: asyncio.Event | None = None
+) -> AsyncIterator[ResponseStart | bytes]:
     """Run `app` for `request`: first the status and headers, then the body in the chunks the app
-    sent. Closing the iterator early tells the app the client went away (a generation stops)."""
+    sent. Closing the iterator early, or setting `gone`, tells the app the client went away (a
+    generation stops)."""
     outbox: asyncio.Queue[Message | None] = asyncio.Queue()
-    gone = asyncio.Event()
+    gone = gone if gone is not None else asyncio.Event()
     body_sent = False
 
     async def receive() -> Message:

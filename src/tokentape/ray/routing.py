@@ -194,12 +194,15 @@ class OwnerRouting:
     def _at(self, index: int, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
         return self.local(request) if index == self.peers.self_index else self.peers.forward(index, request)
 
-    async def local(self, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """This gateway's own answer (also what a forwarded request runs)."""
+    async def local(
+        self, request: HttpRequest, gone: asyncio.Event | None = None
+    ) -> AsyncIterator[ResponseStart | bytes]:
+        """This gateway's own answer (also what a forwarded request runs; `gone` is set when the
+        forwarding gateway's client leaves)."""
         assert self.app is not None, "the front process owns no session"
         match = _SESSION_PATH.match(request.path)
         if not (request.method == "POST" and match and match.group(2) == "/finish"):
-            async for part in run_app(self.app, request):
+            async for part in run_app(self.app, request, gone):
                 yield part
             return
         # A finish is answered only once the session is handed over (back-pressure from a full
