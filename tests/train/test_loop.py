@@ -45,7 +45,8 @@ async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
     return 1.0 if episode.member == 0 else 0.0
 
 
-async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["per-branch", "packed"])
+async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp_path: Path, packed: bool) -> None:
     f32 = f32_gguf(embedded_model_path())
     engine = LlamaCppEngine(LlamaCppSettings(model_path=f32, context_length=1024, kv_cache_f32=True))
     core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=1024), engine=engine)
@@ -62,6 +63,7 @@ async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp
             eval_tasks=2,
             url=url,
             api_key=TRAINER_KEY,
+            packed=packed,
         )
         trainer = Trainer(config, agent, await connect(config))
         try:

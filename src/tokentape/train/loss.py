@@ -267,20 +267,25 @@ def loss_and_metrics(trainer_logprobs: Any, batch: Batch, clip: float) -> tuple[
     rows = torch.ones(mask.shape[0]) if batch.weights is None else batch.weights
     weighted = mask * rows[:, None]
     loss = -(weight * batch.advantages[:, None] * trainer_logprobs * weighted).sum() / weighted.sum().clamp(min=1e-12)
-    difference = (old - batch.engine_logprobs).abs()[on]
-    if difference.numel() == 0:
+    metrics = {"tokens": float(count), **mismatch(log_ratio[on], clip), "loss": float(loss.detach())}
+    return loss, metrics
+
+
+def mismatch(log_ratio: Any, clip: float) -> dict[str, float]:
+    """The engine/trainer mismatch over trained tokens, from log(p_trainer / p_engine) of each [N]."""
+    import torch
+
+    if log_ratio.numel() == 0:
         raise ValueError("no sampled token to train on: check the loss mask")
+    ratio = torch.exp(log_ratio)
+    difference = log_ratio.abs()
     # k3 estimator of KL(engine || trainer) from tokens the engine sampled: r - 1 - log r, r = p_t / p_e
-    k3 = (ratio - 1.0 - log_ratio)[on]
-    metrics = {
-        "tokens": float(count),
+    return {
         "logprob_diff_mean": float(difference.mean()),
         "logprob_diff_max": float(difference.max()),
-        "kl_k3": float(k3.mean()),
-        "ratio_min": float(ratio[on].min()),
-        "ratio_mean": float(ratio[on].mean()),
-        "ratio_max": float(ratio[on].max()),
-        "clipped_share": float((ratio[on] > clip).float().mean()),
-        "loss": float(loss.detach()),
+        "kl_k3": float((ratio - 1.0 - log_ratio).mean()),
+        "ratio_min": float(ratio.min()),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max": float(ratio.max()),
+        "clipped_share": float((ratio > clip).float().mean()),
     }
-    return loss, metrics
