@@ -21,7 +21,9 @@ from tokentape.core.export import export_session
 from tokentape.errors import Conflict
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import Session, SessionRegistry
+from tokentape.render.probe import anchor
 from tokentape.render.renderer import Renderer, RenderOptions
+from tokentape.render.template import ChatTemplate
 from tokentape.store.sqlite import SqliteStore
 
 
@@ -140,3 +142,73 @@ async def test_an_anchor_safe_template_renders_bridges_from_the_anchor(renderers
     a = renderer.bridge([*short, *new], 1, short[1], None, RenderOptions())
     b = renderer.bridge([*history, *short, *new], len(history) + 1, short[1], None, RenderOptions())
     assert a.tokens == b.tokens
+
+
+def _tool_rounds(rounds: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."}]
+    for i in range(rounds):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": f"output {i}"},
+        ]
+    return messages
+
+
+def test_the_anchor_leaves_out_the_tool_rounds_before_the_last_one() -> None:
+    """An agent's tool rounds pile up after its one user message; the anchor keeps the system and
+    user messages and the round right before the reply, however many rounds came before it."""
+    messages = [*_tool_rounds(30), {"role": "assistant", "content": "Done."}]
+    reply = len(messages) - 1
+    assert anchor(messages, reply) == [messages[0], messages[1], messages[-3], messages[-2]]
+    plain = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert anchor([*plain, {"role": "assistant", "content": "d"}], 3) == [plain[2]]  # from the last user message
+
+
+async def test_rendering_a_bridge_costs_the_same_after_3_or_30_tool_rounds(renderers: dict[str, Renderer]) -> None:
+    renderer = renderers["qwen2.5"]
+    assert renderer.anchor_safe
+    rendered: list[int] = []
+    template_render = renderer.template.render
+
+    def counting(messages: Any, **kwargs: Any) -> str:
+        rendered.append(len(messages))
+        return template_render(messages, **kwargs)
+
+    renderer.template.render = counting  # type: ignore[method-assign]
+    sizes, bridges = [], []
+    for rounds in (3, 30):
+        messages = _tool_rounds(rounds)
+        messages[-1]["content"] = "the last output"
+        reply = messages[-2]
+        rendered.clear()
+        bridges.append(renderer.bridge(messages, len(messages) - 2, reply, None, RenderOptions()).tokens)
+        sizes.append(max(rendered))
+    assert sizes[0] == sizes[1] <= 6, sizes  # system, user, the round before, the reply, the new message
+    assert bridges[0] == bridges[1]
+
+
+COUNTING_TEMPLATE = (
+    "{%- set ns = namespace(results=0) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' %}{% set ns.results = 0 %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}{% set ns.results = ns.results + 1 %}"
+    "<|im_start|>user\nResult {{ ns.results }}: {{ m.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content or 'call' }}<|im_end|>\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
+
+async def test_a_template_counting_tool_results_since_the_user_is_bridged_from_the_first_message(
+    renderer: Renderer,
+) -> None:
+    """Numbering tool results from the last user message depends on the rounds the anchor leaves
+    out: the probe sees the anchor render differently, and bridges are rendered whole (exact)."""
+    counting = Renderer(ChatTemplate(COUNTING_TEMPLATE), renderer.tokenizer)
+    assert not counting.anchor_safe and "Result" in counting.anchor_difference
+    messages = [*_tool_rounds(5), {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Next?"}]
+    bridge = counting.bridge(messages, len(messages) - 2, messages[-2], None, RenderOptions())
+    whole = counting.render_text(messages, True, RenderOptions())
+    assert bridge.whole
+    assert whole.endswith(counting.tokenizer.decode_all(bridge.tokens))

@@ -62,14 +62,21 @@ BridgeText = Callable[[Sequence[Message], int, list[Message], ProbeOptions], str
 
 
 def anchor(messages: Sequence[Message], reply_index: int) -> list[Message]:
-    """The messages before the reply that its rendering can depend on: from the last user message
-    (templates place reasoning and tool-response blocks relative to it) and the system message."""
+    """The messages before the reply that its rendering can depend on: the system message, the last
+    user message (templates place reasoning and tool-response blocks relative to it) and the round
+    right before the reply (from the last assistant message on). Earlier rounds after that user
+    message are left out: an agent's tool rounds pile up there, and rendering them again every
+    call would cost as much as the whole history. The probe checks that this renders the same."""
     start = reply_index
     while start > 0 and messages[start - 1].get("role") != "user":
         start -= 1
-    start = max(0, start - 1)
-    kept = list(messages[start:reply_index])
-    if start > 0 and messages[0].get("role") in _ROOT_ROLES:
+    user = max(0, start - 1)
+    recent = reply_index
+    while recent > start and messages[recent - 1].get("role") != "assistant":
+        recent -= 1
+    recent = max(start, recent - 1)  # the last assistant message before the reply, if after the user
+    kept = [*messages[user:start], *messages[recent:reply_index]]
+    if user > 0 and messages[0].get("role") in _ROOT_ROLES:
         kept.insert(0, messages[0])
     return kept
 
@@ -85,11 +92,14 @@ def probe_anchor(bridge_text: BridgeText, template_kwargs: Mapping[str, Any] | N
             end = next((j for j in range(index + 1, len(shape)) if shape[j].get("role") == "assistant"), len(shape))
             messages = shape[:end]
             try:
-                anchored = bridge_text(messages, index, anchor(messages, index), options)
                 full = bridge_text(messages, index, list(messages[:index]), options)
             except InvalidRequest:
                 continue  # a shape this template rejects cannot reach it
             compared += 1
+            try:
+                anchored = bridge_text(messages, index, anchor(messages, index), options)
+            except InvalidRequest as exc:  # e.g. a template that checks the roles alternate
+                return AnchorVerdict(False, f"the template rejects the anchor of message {index}: {exc.message}")
             if anchored != full:
                 roles = ", ".join(str(m.get("role")) for m in messages)
                 at = next((i for i, (a, b) in enumerate(zip(anchored, full, strict=False)) if a != b), 0)
@@ -210,7 +220,10 @@ def probe_shapes(template_kwargs: Mapping[str, Any] | None, images: bool) -> lis
         {"role": "assistant", "content": "", "tool_calls": [_probe_call("dog", 2), _probe_call("cow", 3)]},
         {"role": "tool", "tool_call_id": "call_2", "content": "a canine"},
         {"role": "tool", "tool_call_id": "call_3", "content": "a bovine"},
-        {"role": "assistant", "content": "Cats, dogs and cows."},
+        # a third round: the anchor of its call leaves the first round out
+        {"role": "assistant", "content": None, "tool_calls": [_probe_call("hen", 6)]},
+        {"role": "tool", "tool_call_id": "call_6", "content": "a bird"},
+        {"role": "assistant", "content": "Cats, dogs, cows and hens."},
         {"role": "user", "content": "And a fox?"},
         {"role": "assistant", "content": None, "tool_calls": [_probe_call("fox", 4)]},
         {"role": "tool", "tool_call_id": "call_4", "content": "a vulpine"},
