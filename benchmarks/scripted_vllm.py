@@ -197,11 +197,13 @@ async def completions(body: dict[str, Any], send: Send) -> None:
             },
             "finish_reason": finish if last else None,
             "stop_reason": None,
-            "token_ids": [t for t, _, _ in part],
+            **({"token_ids": [t for t, _, _ in part]} if asked else {}),
         }
 
+    asked = bool(body.get("return_token_ids"))  # vLLM adds token IDs, and echoes the prompt's, only when asked
     if not body.get("stream"):
-        await _json(send, {**base, "choices": [{**choice(tokens, True), "prompt_token_ids": prompt}]})
+        echo = {"prompt_token_ids": prompt} if asked else {}
+        await _json(send, {**base, "choices": [{**choice(tokens, True), **echo}]})
         return
     events = [
         orjson.dumps({**base, "choices": [choice([token], i == len(tokens) - 1)]}) for i, token in enumerate(tokens)

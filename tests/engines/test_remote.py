@@ -96,7 +96,8 @@ async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEn
         assert sent["input_ids"] == PROMPT and sent["return_logprob"] is True
         assert sent["sampling_params"]["no_stop_trim"] is True
     elif engine.kind == "vllm":
-        assert sent["prompt"] == PROMPT and sent["return_token_ids"] is True
+        assert sent["prompt"] == PROMPT and sent["return_tokens_as_token_ids"] is True
+        assert "return_token_ids" not in sent  # vLLM would echo the whole prompt's IDs with every answer
         assert sent["seed"] == 3 and sent["temperature"] == 0.7
     else:
         assert sent["token_ids"] == PROMPT and sent["sampling_params"]["logprobs"] >= 1
@@ -281,7 +282,8 @@ def _respelled(rename: Callable[[int], object]) -> Callable[[int, dict[str, Any]
 
 @WHOLE
 async def test_token_ids_and_the_tokens_they_name_must_agree(whole: bool) -> None:
-    state = FakeState()
+    """IDs come from the logprobs' tokens; a server that sends `token_ids` as well must agree with them."""
+    state = FakeState(token_ids_unasked=True)
     with serving(vllm_app(state)) as url:
         engine = VLLMEngine(url)
         params = SamplingParams(max_tokens=5)

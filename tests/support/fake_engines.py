@@ -57,6 +57,7 @@ class FakeState:
     render: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     check_features: Callable[[dict[str, Any]], str | None] | None = None
     queued: list[list[int]] = field(default_factory=list)  # answers to give next, exactly (logprob -0.5)
+    token_ids_unasked: bool = False  # a vLLM-like server that sends `token_ids` even when not asked
 
 
 def _take(
@@ -169,7 +170,8 @@ def vllm_app(state: FakeState) -> Starlette:
                 },
                 "finish_reason": finish if last else None,
                 "stop_reason": (token if finish == "stop" else None) if last else None,
-                "token_ids": [token],
+                # as vLLM: token IDs (and the prompt's, echoed) only when asked for
+                **({"token_ids": [token]} if body.get("return_token_ids") or state.token_ids_unasked else {}),
             }
 
         def answer(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,7 +263,7 @@ def _merged(choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **choices[-1],
         "text": "".join(c["text"] for c in choices),
-        "token_ids": [t for c in choices for t in c["token_ids"]],
+        **({"token_ids": [t for c in choices for t in c["token_ids"]]} if "token_ids" in choices[-1] else {}),
         "logprobs": {
             "text_offset": [0] * len(choices),
             "token_logprobs": [v for lp in logprobs for v in lp["token_logprobs"]],

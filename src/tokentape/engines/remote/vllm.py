@@ -134,7 +134,8 @@ class VLLMEngine(UpdatableRemote):
             **sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "stream": not whole,
             "logprobs": params.top_logprobs,
-            "return_token_ids": True,
+            # the sampled IDs come back as the logprobs' tokens ("token_id:N"); not `return_token_ids`,
+            # with which vLLM also echoes the whole prompt's IDs, parsed on every call for nothing
             "return_tokens_as_token_ids": True,
         }
         if seed is not None:
