@@ -53,11 +53,15 @@ def sampled_by_vllm(exchange: Exchange) -> tuple[list[int], list[float]]:
     ids: list[int] = []
     logprobs: list[float] = []
     for choice in _choices(exchange):
-        ids += choice.get("token_ids") or []
         entries = choice.get("logprobs") or {}
-        if "token_logprobs" in entries:
+        if "token_logprobs" in entries:  # completions: the IDs spelled `token_id:N` (return_tokens_as_token_ids)
+            spelled = [int(token.removeprefix("token_id:")) for token in entries.get("tokens") or []]
+            ids += choice.get("token_ids") or spelled
+            if choice.get("token_ids") is not None:
+                assert choice["token_ids"] == spelled
             logprobs += entries["token_logprobs"]
         else:
+            ids += choice.get("token_ids") or []
             logprobs += [entry["logprob"] for entry in entries.get("content") or []]
     return ids, logprobs
 
@@ -166,7 +170,9 @@ async def test_n_two_records_what_vllm_sampled_for_each_choice(
     # the same requests straight to vLLM, unstreamed: the same tokens (seeded sampling is reproducible)
     for exchange, (ids, _) in zip(exchanges, sampled, strict=True):
         assert exchange.body is not None
-        again = httpx.post(f"{vllm_server.url}{exchange.path}", json={**exchange.body, "stream": False}, timeout=300)
+        body = {k: v for k, v in exchange.body.items() if k != "stream_options"}
+        body.update(stream=False, return_token_ids=True)  # vLLM's own field, asked here only
+        again = httpx.post(f"{vllm_server.url}{exchange.path}", json=body, timeout=300)
         assert again.json()["choices"][0]["token_ids"] == ids
 
 

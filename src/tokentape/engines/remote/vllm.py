@@ -138,6 +138,8 @@ class VLLMEngine(UpdatableRemote):
             # with which vLLM also echoes the whole prompt's IDs, parsed on every call for nothing
             "return_tokens_as_token_ids": True,
         }
+        if not whole:  # the prompt's length as vLLM counted it, in a last event (checked in e2e-vllm)
+            body["stream_options"] = {"include_usage": True}
         if seed is not None:
             body["seed"] = seed % 2**63
         if constraint is not None:
