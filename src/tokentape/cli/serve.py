@@ -197,7 +197,7 @@ def serve(
 
     from tokentape.gateway.sessions import MemoryLimits
     from tokentape.runtime import RuntimeSettings, build_gateway
-    from tokentape.server.app import create_app
+    from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
     from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
     from tokentape.server.middleware import GuardSettings
     from tokentape.train.weights import cache_dir
@@ -291,6 +291,7 @@ def serve(
         # below info an access line is never shown, yet uvicorn formats its fields for every request
         access_log=log_level.lower() in ("debug", "info"),
         timeout_graceful_shutdown=drain_seconds,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
 
 

@@ -183,7 +183,7 @@ class GatewayActor:
         import uvicorn
 
         from tokentape.runtime import build_gateway
-        from tokentape.server.app import create_app
+        from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
 
         self.spec = spec
         Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +230,14 @@ class GatewayActor:
             max_body_bytes=spec.guard.max_body_bytes if spec.guard is not None else DEFAULT_MAX_BODY_BYTES,
         )
         self.url = f"http://{spec.host}:{spec.port}"
-        config = uvicorn.Config(self.routing, host=spec.host, port=spec.port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            self.routing,
+            host=spec.host,
+            port=spec.port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
         self.server = uvicorn.Server(config)
         # Bound here, so a port in use fails this constructor with a clear error (uvicorn would exit
         # the actor's event loop instead).

@@ -255,6 +255,8 @@ def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_lev
     """`tokentape serve --ray`: start the cluster, serve the front API on `port` until stopped."""
     import uvicorn
 
+    from tokentape.server.app import KEEP_ALIVE_SECONDS
+
     connect(address)
     cluster = start_cluster(settings)
     urls = ", ".join(cluster.gateway_urls.values())
@@ -263,6 +265,7 @@ def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_lev
     )
     try:
         limit = settings.guard.max_body_bytes if settings.guard is not None else DEFAULT_MAX_BODY_BYTES
-        uvicorn.run(front_app(limit), host=settings.host, port=port, log_level=log_level)
+        front = front_app(limit)
+        uvicorn.run(front, host=settings.host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_SECONDS)
     finally:
         cluster.stop()
