@@ -351,7 +351,7 @@ async def main(args: argparse.Namespace) -> None:
             print(f"{'tokens, last call':>16}" + "".join(f" {t.name:>18}" for t in gateways) + "   opening call")
             first: dict[str, float] = {}
             for history in args.histories:
-                sessions = max(4, 256_000 // history)
+                sessions = max(8, 512_000 // history)  # at least 40 calls a cell: CPU is read in 10 ms ticks
                 costs = {t.name: await history_costs(t, history, sessions, "hist") for t in gateways}
                 for name, (_, call, _) in costs.items():
                     first.setdefault(name, call)
