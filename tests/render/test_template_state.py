@@ -163,6 +163,11 @@ def test_the_anchor_leaves_out_the_tool_rounds_before_the_last_one() -> None:
     assert anchor(messages, reply) == [messages[0], messages[1], messages[-3], messages[-2]]
     plain = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     assert anchor([*plain, {"role": "assistant", "content": "d"}], 3) == [plain[2]]  # from the last user message
+    # no user message: nothing is left out; a message other than a tool round between: neither
+    no_user = [messages[0], *messages[2:]]
+    assert anchor(no_user, len(no_user) - 1) == no_user[:-1]
+    noted = [*messages[:5], {"role": "system", "content": "Mind the budget."}, *messages[5:]]
+    assert anchor(noted, len(noted) - 1) == noted[:-1]
 
 
 async def test_rendering_a_bridge_costs_the_same_after_3_or_30_tool_rounds(renderers: dict[str, Renderer]) -> None:

@@ -40,6 +40,7 @@ __all__ = [
 VERDICTS_KEPT = 64
 
 _ROOT_ROLES = ("system", "developer")
+_ROUND_ROLES = ("assistant", "tool")  # what the anchor may leave out between the user and the reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +65,23 @@ BridgeText = Callable[[Sequence[Message], int, list[Message], ProbeOptions], str
 def anchor(messages: Sequence[Message], reply_index: int) -> list[Message]:
     """The messages before the reply that its rendering can depend on: the system message, the last
     user message (templates place reasoning and tool-response blocks relative to it) and the round
-    right before the reply (from the last assistant message on). Earlier rounds after that user
-    message are left out: an agent's tool rounds pile up there, and rendering them again every
-    call would cost as much as the whole history. The probe checks that this renders the same."""
+    right before the reply (from the last assistant message on). The tool rounds between them are
+    left out: an agent's pile up there, and rendering them again every call would cost as much as
+    the whole history. The probe checks that this renders the same. Without a user message, or with
+    anything but tool rounds between, the whole stretch is kept."""
     start = reply_index
     while start > 0 and messages[start - 1].get("role") != "user":
         start -= 1
-    user = max(0, start - 1)
+    if start == 0:  # no user message: every message before the reply
+        return list(messages[:reply_index])
     recent = reply_index
     while recent > start and messages[recent - 1].get("role") != "assistant":
         recent -= 1
     recent = max(start, recent - 1)  # the last assistant message before the reply, if after the user
-    kept = [*messages[user:start], *messages[recent:reply_index]]
-    if user > 0 and messages[0].get("role") in _ROOT_ROLES:
+    if any(m.get("role") not in _ROUND_ROLES for m in messages[start:recent]):
+        recent = start
+    kept = [messages[start - 1], *messages[recent:reply_index]]
+    if start > 1 and messages[0].get("role") in _ROOT_ROLES:
         kept.insert(0, messages[0])
     return kept
 
