@@ -194,7 +194,9 @@ class VLLMEngine(UpdatableRemote):
                 raise EngineProtocolError(f"the engine sent logprobs of an unexpected shape: {quote(logprobs)}")
             ids = self._token_ids(listed(choice.get("token_ids"), "token_ids"))
             spelled = listed(logprobs.get("tokens"), "tokens")
-            if spelled and spelled != [f"token_id:{t}" for t in ids]:  # the usual case is one comparison
+            # vLLM spells the IDs in `tokens` (`token_id:N`) and sends `token_ids` only when asked, which
+            # tokentape is not: then the spelled ones are read; where both come, one comparison checks them
+            if spelled and (not ids or spelled != [f"token_id:{t}" for t in ids]):
                 named = self._token_ids([token_text_id(t) for t in spelled])
                 if ids and named != ids:
                     raise EngineProtocolError(f"the engine's token_ids {quote(ids)} and tokens {quote(named)} differ")
