@@ -215,6 +215,9 @@ class Trainer:
         from tokentape.train.loss import mismatch
         from tokentape.train.packed import packed_groups, packed_loss, packed_token_logprobs
 
+        def log_ratio(logprobs: Any, row: Any) -> Any:  # log(p_trainer / p_engine) on the trained tokens
+            return (logprobs - row.engine_logprobs)[row.mask.bool()]
+
         rows = packed_groups(samples, advantages)
         self.model.train()
         self.optimizer.zero_grad()
@@ -226,7 +229,7 @@ class Trainer:
             (loss * share).backward()
             loss_sum += figures["loss"] * share
             forwarded += figures["tokens_forwarded"]
-            log_ratios.append((logprobs.detach() - row.engine_logprobs)[row.mask.bool()])
+            log_ratios.append(log_ratio(logprobs.detach(), row))
         self.optimizer.step()
         metrics = {
             "tokens": float(sum(float(row.mask.sum()) for row, _ in rows)),
@@ -237,12 +240,8 @@ class Trainer:
         }
         if self.config.measure_base:
             with torch.no_grad(), self.model.disable_adapter():
-                base = [
-                    (packed_token_logprobs(self.model, row, self.config.temperature) - row.engine_logprobs)[
-                        row.mask.bool()
-                    ]
-                    for row, _ in rows
-                ]
+                temperature = self.config.temperature
+                base = [log_ratio(packed_token_logprobs(self.model, row, temperature), row) for row, _ in rows]
             metrics["base_diff_mean"] = float(torch.cat(base).abs().mean())
         return metrics
 
