@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
@@ -69,6 +77,21 @@ class GatewayMetrics:
         self._store = Histogram(
             "tokentape_store_write_seconds", "Writing one turn to the store", buckets=STORE_BUCKETS, registry=r
         )
+        self._held = Gauge(
+            "tokentape_memory_held_bytes",
+            "Bytes held against --max-memory-bytes: sessions in memory, retry records, image bytes",
+            registry=r,
+        )
+        self._budget = Gauge("tokentape_memory_budget_bytes", "--max-memory-bytes", registry=r)
+        self._image_cache = Gauge(
+            "tokentape_image_cache_bytes", "Image bytes read back from the store or waiting for their write", registry=r
+        )
+        self._image_resends = Gauge(
+            "tokentape_engine_image_resends",
+            "Generations sent again with every image's tensors after the engine no longer held an image named by hash",
+            registry=r,
+        )
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and the rest, for this process
 
     # -- gauges, read when scraped ---------------------------------------------------------------------
     def watch(
@@ -77,12 +100,18 @@ class GatewayMetrics:
         live_sessions: Callable[[], int],
         active_requests: Callable[[], int],
         engine: Callable[[], Mapping[str, Any]] = dict,
+        memory: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
     ) -> None:
-        """`engine`: the engine's own account of itself (`describe()`), for its worker's counters."""
+        """`engine`: the engine's own account of itself (`describe()`), for its worker's counters and
+        image resends (summed over a pool's engines). `memory`: bytes held, the budget, image bytes."""
         self._sessions_live.set_function(lambda: float(live_sessions()))
         self._queue.set_function(lambda: float(active_requests()))
         self._worker_faults.set_function(lambda: float(engine().get("worker_faults", 0)))
         self._worker_restarts.set_function(lambda: float(engine().get("worker_restarts", 0)))
+        self._held.set_function(lambda: float(memory()[0]))
+        self._budget.set_function(lambda: float(memory()[1]))
+        self._image_cache.set_function(lambda: float(memory()[2]))
+        self._image_resends.set_function(lambda: float(_image_resends(engine())))
 
     # -- events ----------------------------------------------------------------------------------------
     def session_finished(self) -> None:
@@ -114,3 +143,10 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text format Prometheus scrapes."""
         return generate_latest(self.registry)
+
+
+def _image_resends(described: Mapping[str, Any]) -> int:
+    members = described.get("engines")
+    if isinstance(members, list):
+        return sum(int(member.get("image_resends", 0)) for member in members if isinstance(member, Mapping))
+    return int(described.get("image_resends", 0))

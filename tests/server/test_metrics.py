@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -120,3 +121,13 @@ async def test_metrics_count_what_the_exports_hold(http: httpx.AsyncClient, gate
     assert value("tokentape_time_to_first_token_seconds_count") == 1
     assert value("tokentape_store_write_seconds_count") == total_turns
     assert 0 < value("tokentape_time_to_first_token_seconds_sum") <= value("tokentape_engine_seconds_sum")
+    # memory (scraped again: reading the exports loaded sessions): what the gateway holds against its
+    # budget, and the process's resident set as the kernel counts it
+    samples = _samples((await http.get("/metrics")).text)
+    assert value("tokentape_memory_held_bytes") == gateway.sessions.held_bytes > 0
+    assert value("tokentape_memory_budget_bytes") == gateway.sessions.limits.max_bytes
+    assert value("tokentape_image_cache_bytes") == gateway.sessions.images.held_bytes
+    assert value("tokentape_engine_image_resends") == 0
+    (line,) = [line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")]
+    resident = int(line.split()[1]) * 1024
+    assert abs(value("process_resident_memory_bytes") - resident) < resident * 0.2

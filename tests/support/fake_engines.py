@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 END_OF_TURN = 2  # SmolLM2's <|im_end|>: the fakes speak the embedded tokenizer's vocabulary
 CONTEXT = 4096
+MISSING = "Internal server error"  # vLLM's whole answer to an image named by a hash it does not hold
 
 
 def script(
@@ -195,6 +196,9 @@ def vllm_app(state: FakeState) -> Starlette:
         salt = None
         if body.get("features") is not None or state.check_features is not None:
             problem = state.check_features(body) if state.check_features else "this engine takes no images"
+            if problem is MISSING:  # as vLLM 0.32 answers an image its cache does not hold
+                error = {"message": MISSING, "type": "InternalServerError", "param": None, "code": 500}
+                return _stream(state, [{"error": error}]) if body.get("stream") else _error(500, MISSING)
             if problem is not None:
                 return _error(400, problem)
             salt = (body.get("features") or {}).get("mm_hashes")

@@ -2,7 +2,10 @@
 Qwen2-VL: its render route processes one image with transformers' Qwen2-VL image processor and
 answers the placeholder run and features; its generate route takes token IDs with `features` and
 refuses any that do not fit them (an unknown image, a placeholder range that does not hold exactly
-the image's pads, a pad outside every range). A test instrument: no model looks at the pixels.
+the image's pads, a pad outside every range). An image named by its hash alone (null `kwargs_data`)
+is taken when an earlier request brought its tensors, and is otherwise vLLM 0.32's answer to an
+item its processor cache does not hold: a bare 500, an error event when streamed. A test
+instrument: no model looks at the pixels.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tests.support.fake_engines import FakeState
+from tests.support.fake_engines import MISSING, FakeState
 
 IM_START, IM_END, USER, NEWLINE = 151644, 151645, 872, 198
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
@@ -28,6 +31,10 @@ class FakeVision:
         self.kwargs: dict[str, str] = {}  # mm hash -> the serialised outputs the render answered
         self.renders = 0
         self.generations: list[dict[str, Any]] = []  # generate bodies that carried images
+        # vLLM's processor cache: the hashes whose tensors a generate request brought, which later
+        # requests may name with null `kwargs_data`; an unknown one is vLLM's bare 500
+        self.held: set[str] = set()
+        self.misses = 0
 
     def attach(self, state: FakeState) -> FakeState:
         state.render, state.check_features, state.end_of_turn = self.render, self.check, IM_END
@@ -59,7 +66,12 @@ class FakeVision:
         if not len(hashes) == len(places) == len(kwargs):
             return "features: hashes, placeholders and kwargs_data differ in length"
         covered: set[int] = set()
+        if any(data is None and mm_hash not in self.held for mm_hash, data in zip(hashes, kwargs, strict=True)):
+            self.misses += 1
+            return MISSING
         for mm_hash, place, data in zip(hashes, places, kwargs, strict=True):
+            if data is None:
+                data = self.kwargs[mm_hash]
             if self.kwargs.get(mm_hash) != data:
                 return f"features: image {mm_hash} was not rendered by this server"
             start, length = place["offset"], place["length"]
@@ -76,4 +88,5 @@ class FakeVision:
             return f"{len(stray)} image pad token(s) stand for no image (first at {stray[0]})"
         if hashes:
             self.generations.append(body)
+        self.held.update(mm_hash for mm_hash, data in zip(hashes, kwargs, strict=True) if data is not None)
         return None

@@ -88,6 +88,7 @@ def vision_server(vision_model_dir: Path) -> Iterator[VLLMServer]:
         model=VISION_MODEL,
         context=VISION_CONTEXT,
         kv_cache_bytes=128 * 2**20,  # 512 bytes a token here (2 layers, 1 KV head of 64, bfloat16)
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_mm_cache: vLLM forgets the images it was sent
     ) as server:
         FIGURES["vision: vLLM start (s, --enforce-eager, tiny Qwen2-VL)"] = round(server.start_seconds, 1)
         yield server
@@ -303,11 +304,19 @@ async def test_screenshots_over_four_turns_are_what_vllm_renders_and_takes(
     FIGURES["vision: prompt tokens per turn"] = [start for start, _ in ranges]
 
 
-async def test_the_same_screenshot_again_is_rendered_once_and_generates_in_seconds(
-    vision_gateway: RunningServer, vision_proxy: tuple[str, RecordingProxy]
+def _tensors_sent(exchange: Exchange) -> list[bool]:
+    assert exchange.body is not None
+    return [data is not None for data in exchange.body["features"]["kwargs_data"]["image"]]
+
+
+async def test_the_same_screenshot_again_is_rendered_once_and_its_tensors_sent_once(
+    vision_gateway: RunningServer, vision_server: VLLMServer, vision_proxy: tuple[str, RecordingProxy]
 ) -> None:
     """One screenshot in a fresh session, then shown again on every turn (an agent's loop): the gateway
-    asks vLLM's render route once for it; the seconds per turn are the figures in the docs."""
+    asks vLLM's render route once for it and sends its tensors once; later turns name it by hash and
+    vLLM takes it from its processor cache. Then vLLM forgets (`/reset_mm_cache`, as a restart would):
+    the next turn's request naming it by hash gets vLLM's 500, and the same request with the tensors
+    is taken; the caller sees a plain 200. The seconds per turn are the figures in the docs."""
     _, recorder = vision_proxy
     session = "same-screen"
     shot = image_part(screenshot(4, (1280, 800)))
@@ -326,10 +335,24 @@ async def test_the_same_screenshot_again_is_rendered_once_and_generates_in_secon
             assert response.status_code == 200, response.text
             messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
     renders = [e for e in recorder.exchanges if e.path == RENDER][before:]
-    assert len(renders) == 1  # the screenshot's tensors are kept by digest
+    assert len(renders) == 1  # the screenshot's run is kept by digest
     exchanges = generations(recorder, session)
-    assert [len(e.body["features"]["mm_hashes"]["image"]) for e in exchanges if e.body] == [1, 2, 3, 4]
-    assert all(e.status == 200 for e in exchanges)
+    assert [_tensors_sent(e) for e in exchanges] == [[True], [False] * 2, [False] * 3, [False] * 4]
+    assert all(e.status == 200 and b'"error"' not in e.raw for e in exchanges)
+    assert len({h for e in exchanges if e.body for h in e.body["features"]["mm_hashes"]["image"]}) == 1
+
+    httpx.post(f"{vision_server.url}/reset_mm_cache", timeout=60).raise_for_status()
+    messages.append({"role": "user", "content": [shot, {"type": "text", "text": "Step 5?"}]})
+    async with httpx.AsyncClient(base_url=vision_gateway.base_url, timeout=600) as http:
+        response = await http.post(
+            f"/sessions/{session}/v1/chat/completions",
+            json={"model": VISION_MODEL, "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0},
+        )
+    assert response.status_code == 200, response.text
+    missed, resent = generations(recorder, session)[4:]
+    assert _tensors_sent(missed) == [False] * 5 and (missed.status >= 500 or b"Internal server error" in missed.raw)
+    assert _tensors_sent(resent) == [True] * 5 and resent.status == 200 and b'"error"' not in resent.raw
+    assert len([e for e in recorder.exchanges if e.path == RENDER][before:]) == 2  # its tensors, rendered again
     FIGURES["vision: seconds per turn, one 1280x800 screenshot shown again each turn"] = [f"{s:.2f}" for s in seconds]
     FIGURES["vision: median of those"] = round(statistics.median(seconds), 2)
 

@@ -40,6 +40,17 @@ class BoundedCache(Generic[K, V]):
             self._items.move_to_end(key)
             return found[0]
 
+    def discard(self, key: K) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.held_bytes -= old[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.held_bytes = 0
+
     def resize(self, max_bytes: int) -> None:
         """A new bound; what is past it leaves now, least recently used first."""
         with self._lock:

@@ -97,7 +97,10 @@ class Gateway:
         self._started = False
         self.metrics = GatewayMetrics()
         self.metrics.watch(
-            live_sessions=sessions.live, active_requests=lambda: self.admission.active, engine=self.engine.describe
+            live_sessions=sessions.live,
+            active_requests=lambda: self.admission.active,
+            engine=self.engine.describe,
+            memory=lambda: (sessions.held_bytes, sessions.limits.max_bytes, sessions.images.held_bytes),
         )
 
     # -- life ----------------------------------------------------------------------------------------

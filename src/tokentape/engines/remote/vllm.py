@@ -1,5 +1,5 @@
-"""vLLM's two token routes: the OpenAI server's `/v1/completions` with a token-ID prompt and
-`return_token_ids`, and its token endpoint `/inference/v1/generate`. Answers are streamed, so closing
+"""vLLM's two token routes: the OpenAI server's `/v1/completions` with a token-ID prompt, and its
+token endpoint `/inference/v1/generate`. Answers are streamed, so closing
 the generation closes the upstream request and vLLM aborts it; for a caller that reads only the result
 (`whole`) the answer comes in one piece, and closing that still closes the request. Sampled token IDs
 and logprobs are read from the response, never from text."""
@@ -19,6 +19,7 @@ from tokentape.engines.remote.updates import Need, UpdatableRemote
 from tokentape.engines.remote.vllm_images import (
     RENDER_ROUTE,
     RenderedImage,
+    SentImages,
     features,
     render_body,
     render_cache,
@@ -35,7 +36,7 @@ from tokentape.engines.remote.wire import (
     wire_ids,
 )
 from tokentape.engines.weights import InFlight, WeightSource
-from tokentape.errors import EngineProtocolError, InvalidRequest
+from tokentape.errors import EngineFailure, EngineProtocolError, InvalidRequest
 
 __all__ = ["LORA_NAME", "VLLMEngine", "VLLMGenerateEngine"]
 
@@ -158,10 +159,17 @@ class VLLMEngine(UpdatableRemote):
         images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)
-        mode = self.logprob_mode(params)
-        body = self._body(prompt, params, seed, constraint, whole)
         if images:
-            body.update(await self._image_fields(prompt, images))
+            self._refuse_images()
+        body = self._body(prompt, params, seed, constraint, whole)
+        async for token in self._sampled(body, session_id, params):
+            yield token
+
+    async def _sampled(
+        self, body: dict[str, Any], session_id: str | None, params: SamplingParams
+    ) -> AsyncGenerator[SampledToken, None]:
+        """The tokens of one generation request, as the engine streams them."""
+        mode = self.logprob_mode(params)
         events = self._events(self.path, body, session_id, _choice_finished)
         try:
             async for event in events:
@@ -171,8 +179,8 @@ class VLLMEngine(UpdatableRemote):
         finally:
             await events.aclose()
 
-    async def _image_fields(self, prompt: Sequence[int], images: Sequence[PromptImage]) -> dict[str, Any]:
-        """What the request adds for its images. The completions route takes token IDs without images."""
+    def _refuse_images(self) -> None:
+        """The completions route takes token IDs without images."""
         raise InvalidRequest(
             f"the {self.kind} engine (vLLM's /v1/completions) takes no images with token IDs; serve the model "
             "behind vLLM's token route (--engine vllm-generate=URL)",
@@ -233,20 +241,83 @@ class VLLMGenerateEngine(VLLMEngine):
     path = "/inference/v1/generate"
     takes_images = True  # token IDs with `features` (`vllm_images`)
 
-    async def _image_fields(self, prompt: Sequence[int], images: Sequence[PromptImage]) -> dict[str, Any]:
+    image_resends = 0  # generations sent again with every image's tensors after naming one by hash failed
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        seed: int | None,
+        session_id: str | None = None,
+        constraint: Constraint | None = None,
+        whole: bool = False,
+        images: Sequence[PromptImage] = (),
+    ) -> AsyncGenerator[SampledToken, None]:
+        if not images:
+            async for token in super().generate(
+                prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
+            ):
+                yield token
+            return
+        self._check_constraint(constraint)
+        body = self._body(prompt, params, seed, constraint, whole)
+        renders = await self._rendered(images, resend=False)
+        body["features"] = features(prompt, images, renders)
+        started = False
+        try:
+            async for token in self._sampled(body, session_id, params):
+                if not started:
+                    started = True
+                    self._took(images, renders)
+                yield token
+            return
+        except (EngineFailure, InvalidRequest):
+            # vLLM answers an image it no longer holds with a bare 500: before the first token, a
+            # request that named any image by hash alone is sent once more with every image's tensors
+            if started or all(render.kwargs_data is not None for render in renders):
+                raise
+        self._sent.forget()
+        self.image_resends += 1
+        renders = await self._rendered(images, resend=True)
+        body.update(request_id=uuid.uuid4().hex, features=features(prompt, images, renders))
+        async for token in self._sampled(body, session_id, params):
+            if not started:
+                started = True
+                self._took(images, renders)
+            yield token
+
+    async def _rendered(self, images: Sequence[PromptImage], *, resend: bool) -> list[RenderedImage]:
+        """Each image's render, with its tensors where vLLM is not known to hold them (every one when
+        `resend`); vLLM's render route is asked for each image whose render is not kept."""
         renders = []
         for image in images:
             render = self._renders.get(image.run.digest)
-            if render is None:
+            named = render is not None and not resend and render.mm_hash in self._sent
+            if render is None or (render.kwargs_data is None and not named):
                 answer = await self._call("POST", RENDER_ROUTE, body=render_body(self.adapter or self.model_id, image))
                 render = rendered_image(answer)
                 self._renders.put(image.run.digest, render)
-            renders.append(render)
-        return {"features": features(prompt, images, renders)}
+            renders.append(render.without_tensors() if named else render)
+        return renders
+
+    def _took(self, images: Sequence[PromptImage], renders: Sequence[RenderedImage]) -> None:
+        """vLLM took the request: the tensors sent are held there, and leave this process's memory."""
+        self._sent.took(renders)
+        for image, render in zip(images, renders, strict=True):
+            if render.kwargs_data is not None:
+                self._renders.put(image.run.digest, render.without_tensors())
 
     @functools.cached_property
     def _renders(self) -> BoundedCache[str, RenderedImage]:
         return render_cache()
+
+    @functools.cached_property
+    def _sent(self) -> SentImages:
+        return SentImages()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "image_resends": self.image_resends}
 
     def _body(
         self,

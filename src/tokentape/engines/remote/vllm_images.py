@@ -7,6 +7,15 @@ answers is kept by digest (a screenshot shown on every turn is rendered once).
 The render answer is also the check against double expansion: the placeholder run vLLM's processor
 makes for the image must be, token for token, the run the tape holds; otherwise the engine would
 see another prompt than the one recorded, and the generation is refused before it starts.
+
+Only new images carry their tensors. vLLM keeps the tensors of the items it was sent, by hash, in
+its processor cache (`--mm-processor-cache-gb`, 4 GiB by default), and takes an item whose
+`kwargs_data` is null from there. `SentImages` mirrors what that cache should hold (the hashes sent
+in the last `SENT_MAX_BYTES` of tensors, well under vLLM's default), so a screenshot shown on every
+turn travels once, not once a turn. vLLM answers an item it no longer holds (evicted, restarted,
+another server behind the same URL) with a bare 500 that says nothing more; so a generation that
+named an image by hash and failed before its first token is sent once more with every image's
+tensors (`VLLMGenerateEngine.generate`), and the mirror starts again from nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +30,20 @@ from tokentape.engines.base import PromptImage
 from tokentape.engines.remote.wire import listed, quote
 from tokentape.errors import EngineProtocolError
 
-__all__ = ["RENDER_ROUTE", "RenderedImage", "features", "render_body", "render_cache", "rendered_image"]
+__all__ = [
+    "RENDER_ROUTE",
+    "RenderedImage",
+    "SentImages",
+    "features",
+    "render_body",
+    "render_cache",
+    "rendered_image",
+]
 
 RENDER_ROUTE = "/v1/chat/completions/render"
 RENDERS_MAX_BYTES = 256 * 1024 * 1024
+SENT_MAX_BYTES = 1024**3  # of serialised tensors: a quarter of vLLM's default processor cache, in its units
+SENT_MAX_ITEMS = 65_536  # hashes kept, whatever the size of their tensors (about 10 MB of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +54,10 @@ class RenderedImage:
     mm_hash: str
     run: tuple[int, ...]
     kwargs_data: str | None
+
+    def without_tensors(self) -> RenderedImage:
+        """What is kept once vLLM holds the tensors: the hash and the run, a few bytes."""
+        return RenderedImage(self.mm_hash, self.run, None)
 
 
 def render_body(model: str, image: PromptImage) -> dict[str, Any]:
@@ -74,9 +97,32 @@ def _render_size(render: RenderedImage) -> int:
     return len(render.kwargs_data or "") + 8 * len(render.run) + len(render.mm_hash) + 200
 
 
+class SentImages:
+    """The hashes whose tensors vLLM was sent lately, as far as its processor cache should still hold
+    them: least recently used first out, bounded by the tensors' bytes (the hashes alone are kept)."""
+
+    def __init__(self, max_bytes: int = SENT_MAX_BYTES) -> None:
+        self._sent: BoundedCache[str, int] = BoundedCache(max_bytes, lambda size: size, max_items=SENT_MAX_ITEMS)
+
+    def __contains__(self, mm_hash: object) -> bool:
+        return isinstance(mm_hash, str) and self._sent.get(mm_hash) is not None
+
+    def took(self, renders: Sequence[RenderedImage]) -> None:
+        """vLLM took a request with these images: the ones sent with tensors are held now."""
+        for render in renders:
+            if render.kwargs_data is not None:
+                self._sent.put(render.mm_hash, len(render.kwargs_data))
+            else:
+                self._sent.get(render.mm_hash)  # used again: the least recently used go first
+
+    def forget(self) -> None:
+        self._sent.clear()
+
+
 def features(prompt: Sequence[int], images: Sequence[PromptImage], renders: Sequence[RenderedImage]) -> dict[str, Any]:
     """The `features` of a generate request: each image's vLLM hash, its pads' range in `prompt`, its
-    tensors. Refuses (EngineProtocolError) when vLLM's run for an image is not the tape's."""
+    tensors (null for an image named by hash alone: its render carries none). Refuses
+    (EngineProtocolError) when vLLM's run for an image is not the tape's."""
     hashes, places, kwargs = [], [], []
     for image, render in zip(images, renders, strict=True):
         run = image.run
