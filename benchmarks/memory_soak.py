@@ -1,16 +1,24 @@
 """Memory under a GUI-agent soak: many sessions of many turns, each turn a new 1280x800 screenshot on
-top of the whole history's (the repeats), through the images route on the fake vLLM of tests/support
-(the real Qwen2-VL tokenizer and processor, the SQLite store). The gateway runs with a small
-`--max-memory-bytes` so that the budget is reached early and held for most of the run.
+top of the whole history's (the repeats), through the images route of a real `tokentape serve`.
 
-Reported: the process's RSS and the bytes the gateway holds against its budget (sessions' trees,
-retry records, image bytes cached or waiting for their write), sampled over the run (a curve), their
-peaks, the sessions that left memory, the distinct images the store holds (each once), and the check
-that nothing acknowledged was lost (every session's export, read back from the store at the end,
-holds every turn it was answered).
+Three processes, so that the gateway's memory is its own:
+- the gateway, `tokentape serve --engine vllm-generate=URL` with the Qwen2-VL tokenizer, template and
+  image processor, a SQLite store, `--prompt-token-ids asked` (a GUI agent reads no prompt IDs) and
+  the budget under test (`--max-memory-bytes`, its default 4 GiB unless `--budget-mib` says);
+- the stand-in vLLM of the test suite (`tests/support/fake_vision.py`, a test instrument: its render
+  route runs transformers' Qwen2-VL image processor for the placeholder count (once per image size)
+  and answers `--tensor-mb` of opaque tensors per image, 8 MB being a real 1280x800 screenshot's; its generate
+  route checks every image's range and hash, takes an image named by hash only when it was sent its
+  tensors before, and answers a few scripted tokens);
+- this process, `--concurrency` agents at a time, each a session of `--turns` requests.
+
+Reported, sampled every 2 s: the gateway's RSS (/proc), the bytes it holds against its budget and the
+image bytes among them (`/metrics`), sessions in memory; their peaks; the turns acknowledged and
+whether every one is in the store (counted with sqlite3 in the store file after the gateway stopped,
+and through `GET /sessions/{id}` before); the images the store holds, each once.
 
     .venv/bin/python benchmarks/memory_soak.py [--sessions 1000] [--turns 30] [--concurrency 8] \
-        [--budget-mib 128] [--png docs/figures/memory-soak.png]
+        [--budget-mib 4096] [--tensor-mb 8] [--png docs/figures/memory-soak.png]
 """
 
 from __future__ import annotations
@@ -20,29 +28,32 @@ import asyncio
 import base64
 import io
 import json
+import os
+import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from image_storage import screenshot
-from tests.images.conftest import Engine, Oracle, open_app
-from tests.support import fake_engines
-from tests.support.fake_engines import serving, vllm_app
 from tests.support.models import materialise
 
-from tokentape.gateway.sessions import MemoryLimits
-from tokentape.runtime import hf_renderer
+from tokentape.launcher import free_port, running_server
+
+DEFAULT_BUDGET_MIB = 4096
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
@@ -59,92 +70,136 @@ def new_screen(bases: list[Image.Image], session: int, turn: int) -> bytes:
     return out.getvalue()
 
 
-async def soak(sessions: int, turns: int, concurrency: int, budget: int) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+def serve_engine(port: int, tensor_bytes: int) -> None:
+    """The stand-in vLLM (run as this script's child)."""
+    import uvicorn
+    from tests.support import fake_engines
+    from tests.support.fake_engines import FakeState, vllm_app
+    from tests.support.fake_vision import FakeVision
 
+    fake_engines.CONTEXT = 1 << 20  # 30 whole screenshots of ~1,300 tokens each
+    state = FakeVision(tensor_bytes, record=False, grid_by_size=True).attach(FakeState(record=False))
+    uvicorn.run(vllm_app(state), host="127.0.0.1", port=port, log_level="error")
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def soak(sessions: int, turns: int, concurrency: int, budget_mib: int | None, tensor_mb: float) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp())
     model = materialise("qwen2-vl", root)
-    renderer = hf_renderer(model)
-    oracle = Oracle(AutoTokenizer.from_pretrained(model), Qwen2VLImageProcessorPil())
+    store = root / "tape.db"
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, __file__, "--serve-engine", str(port), "--tensor-mb", str(tensor_mb)],
+        stdout=subprocess.DEVNULL,
+        stderr=(root / "engine.log").open("wb"),
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    args = ["--engine", f"vllm-generate=http://127.0.0.1:{port}", "--tokenizer", str(model)]
+    args += ["--store", str(store), "--prompt-token-ids", "asked"]
+    if budget_mib is not None:
+        args += ["--max-memory-bytes", str(budget_mib * 2**20)]
     bases = [Image.open(io.BytesIO(screenshot(i))).convert("RGB") for i in range(6)]
-    fake_engines.CONTEXT = 1 << 20  # 30 whole screenshots of ~1,300 tokens each
-    engine = Engine()
-    samples: list[tuple[float, int, int, int, int]] = []  # seconds, RSS, bytes held, in memory, image cache
+    samples: list[tuple[float, int, float, float, float]] = []  # seconds, RSS, held, image bytes, in memory
     answered = [0] * sessions
     refused = 0
-    with serving(vllm_app(engine.state)) as url:
-        gateway, http = await open_app(renderer, url, engine, root / "tape.db")
-        gateway.sessions.limits = MemoryLimits(max_bytes=budget)
-        started = time.monotonic()
+    try:
+        with running_server(args, log_path=root / "gateway.log") as gateway:
+            pid = gateway.process.pid
+            base_rss = rss_bytes(pid)
+            limits = httpx.Limits(max_connections=concurrency + 2)
+            async with httpx.AsyncClient(base_url=gateway.base_url, timeout=600, limits=limits) as http:
+                budget = metric((await http.get("/metrics")).text, "tokentape_memory_budget_bytes")
+                started = time.monotonic()
 
-        async def sample() -> None:
-            while True:
-                held = gateway.sessions
-                cached = held.images.held_bytes
-                samples.append((time.monotonic() - started, rss_bytes(), held.held_bytes, len(held), cached))
-                await asyncio.sleep(1.0)
+                async def sample() -> None:
+                    while True:
+                        text = (await http.get("/metrics")).text
+                        samples.append(
+                            (
+                                time.monotonic() - started,
+                                rss_bytes(pid),
+                                metric(text, "tokentape_memory_held_bytes"),
+                                metric(text, "tokentape_image_cache_bytes"),
+                                metric(text, "tokentape_sessions_live"),
+                            )
+                        )
+                        await asyncio.sleep(2.0)
 
-        async def agent(n: int) -> None:
-            nonlocal refused
-            messages: list[dict[str, Any]] = []
-            for turn in range(turns):
-                data = base64.b64encode(new_screen(bases, n, turn)).decode()
-                part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
-                messages.append({"role": "user", "content": [{"type": "text", "text": f"Step {turn}."}, part]})
-                body = {"model": "m", "messages": messages, "max_tokens": 20}
-                while True:
-                    engine.state.queued.append(oracle.answer(f"Click {turn}."))
-                    response = await http.post("/v1/chat/completions", json=body, headers={"X-Session-ID": f"gui-{n}"})
-                    if response.status_code != 429:
-                        break
-                    refused += 1
-                    engine.state.queued.pop()
-                    await asyncio.sleep(float(response.headers.get("retry-after", "1")))
-                assert response.status_code == 200, response.text
-                answered[n] += 1
-                messages.append({"role": "assistant", "content": f"Click {turn}."})
-                # the instrument's own records of what it was sent: not the gateway's memory
-                engine.vision.generations.clear()
-                engine.state.requests.clear()
-                engine.state.session_headers.clear()
+                async def agent(n: int) -> None:
+                    nonlocal refused
+                    messages: list[dict[str, Any]] = []
+                    headers = {"X-Session-ID": f"gui-{n}", "Content-Type": "application/json"}
+                    for turn in range(turns):
+                        data = base64.b64encode(new_screen(bases, n, turn)).decode()
+                        part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+                        text = {"type": "text", "text": f"Step {turn}."}
+                        messages.append({"role": "user", "content": [text, part]})
+                        body = orjson.dumps({"model": "fake-model", "messages": messages, "max_tokens": 12})
+                        while True:
+                            response = await http.post("/v1/chat/completions", content=body, headers=headers)
+                            if response.status_code not in (429, 503):
+                                break
+                            refused += 1
+                            await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+                        assert response.status_code == 200, response.text
+                        answered[n] += 1
+                        reply = response.json()["choices"][0]["message"]["content"]
+                        messages.append({"role": "assistant", "content": reply})
 
-        sampler = asyncio.create_task(sample())
-        gate = asyncio.Semaphore(concurrency)
+                sampler = asyncio.create_task(sample())
+                gate = asyncio.Semaphore(concurrency)
 
-        async def limited(n: int) -> None:
-            async with gate:
-                await agent(n)
+                async def limited(n: int) -> None:
+                    async with gate:
+                        await agent(n)
 
-        async with http:
-            await asyncio.gather(*(limited(n) for n in range(sessions)))
-            sampler.cancel()
-            seconds = time.monotonic() - started
-            lost = 0
-            for n in range(sessions):  # every acknowledged turn, read back (most from the store)
-                export = (await http.get(f"/sessions/gui-{n}/export")).json()
-                lost += answered[n] - export["summary"]["turns"]
-        evicted = gateway.sessions.evicted
-        stored = await gateway.sessions.store.image_stats()
-        store_reads = gateway.sessions.images.store_reads
-        await gateway.aclose()
+                await asyncio.gather(*(limited(n) for n in range(sessions)))
+                seconds = time.monotonic() - started
+                sampler.cancel()
+                text = (await http.get("/metrics")).text
+                resends = metric(text, "tokentape_engine_image_resends")
+                served = {}  # every acknowledged turn, through the gateway (most sessions read back from the store)
+                for n in range(sessions):
+                    served[n] = (await http.get(f"/sessions/gui-{n}")).json()["turns"]
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
+    # and in the store file itself, after the gateway stopped
+    with sqlite3.connect(store) as db:
+        stored = dict(db.execute("SELECT session_id, COUNT(*) FROM turns GROUP BY session_id").fetchall())
+        images, image_bytes = db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM images").fetchone()
     return {
         "samples": samples,
         "sessions": sessions,
         "turns": turns,
+        "concurrency": concurrency,
+        "tensor_mb": tensor_mb,
         "seconds": seconds,
         "budget": budget,
+        "rss_at_start": base_rss,
         "peak_rss": max(s[1] for s in samples),
         "peak_held": max(s[2] for s in samples),
-        "peak_image_cache": max(s[4] for s in samples),
-        "min_rss_after_warmup": min(s[1] for s in samples[len(samples) // 10 :]),
-        "stored_images": stored["images"],
-        "stored_image_bytes": stored["bytes"],
-        "image_store_reads": store_reads,
-        "evicted": evicted,
-        "refused_429": refused,
+        "peak_image_bytes": max(s[3] for s in samples),
         "acknowledged": sum(answered),
-        "lost": lost,
+        "lost_per_gateway": sum(answered[n] - served[n] for n in range(sessions)),
+        "lost_in_store": sum(answered[n] - stored.get(f"gui-{n}", 0) for n in range(sessions)),
+        "refused_429_503": refused,
+        "image_resends": resends,
+        "stored_images": images,
+        "stored_image_bytes": image_bytes,
+        "store_file_bytes": os.path.getsize(store),
     }
 
 
@@ -154,18 +209,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seconds = [s[0] for s in result["samples"]]
+    minutes = [s[0] / 60 for s in result["samples"]]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.4), dpi=120, sharex=True)
-    top.plot(seconds, [s[1] / 2**20 for s in result["samples"]], label="process RSS")
+    top.plot(minutes, [s[1] / 2**20 for s in result["samples"]], label="gateway RSS")
+    top.axhline(result["budget"] / 2**20, color="grey", linestyle="--", label="--max-memory-bytes")
     top.set_ylabel("MiB")
+    top.set_ylim(bottom=0)
     top.legend(loc="lower right")
-    bottom.plot(seconds, [s[2] / 2**20 for s in result["samples"]], label="held against the budget")
-    bottom.plot(seconds, [s[4] / 2**20 for s in result["samples"]], label="of which image bytes (cache, pinned)")
-    bottom.axhline(result["budget"] / 2**20, color="grey", linestyle="--", label="--max-memory-bytes")
-    bottom.set_xlabel("seconds")
+    bottom.plot(minutes, [s[2] / 2**20 for s in result["samples"]], label="held against the budget")
+    bottom.plot(minutes, [s[3] / 2**20 for s in result["samples"]], label="of which image bytes")
+    bottom.set_xlabel("minutes")
     bottom.set_ylabel("MiB")
+    bottom.set_ylim(bottom=0)
     bottom.legend(loc="lower right")
-    top.set_title(f"{result['sessions']} sessions x {result['turns']} turns, a new 1280x800 screenshot each turn")
+    top.set_title(
+        f"{result['sessions']:,} sessions x {result['turns']} turns, a new 1280x800 screenshot each turn "
+        f"({result['concurrency']} at a time)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
 
@@ -175,17 +236,22 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--budget-mib", type=int, default=128)
+    parser.add_argument("--budget-mib", type=int, default=None, help=f"default: serve's own, {DEFAULT_BUDGET_MIB}")
+    parser.add_argument("--tensor-mb", type=float, default=8.0)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--serve-engine", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    result = asyncio.run(soak(args.sessions, args.turns, args.concurrency, args.budget_mib * 2**20))
+    if args.serve_engine is not None:
+        serve_engine(args.serve_engine, int(args.tensor_mb * 1e6))
+        return
+    result = asyncio.run(soak(args.sessions, args.turns, args.concurrency, args.budget_mib, args.tensor_mb))
     samples = result.pop("samples")
-    step = max(1, len(samples) // 12)
-    print(f"{'seconds':>8} {'RSS MiB':>8} {'held MiB':>9} {'in memory':>10} {'images MiB':>11}")
-    for seconds, rss, held, live, cached in samples[::step]:
-        print(f"{seconds:8.0f} {rss / 2**20:8.0f} {held / 2**20:9.1f} {live:10d} {cached / 2**20:11.1f}")
+    step = max(1, len(samples) // 15)
+    print(f"{'minutes':>8} {'RSS MiB':>8} {'held MiB':>9} {'images MiB':>11} {'in memory':>10}")
+    for seconds, rss, held, images, live in samples[::step]:
+        print(f"{seconds / 60:8.1f} {rss / 2**20:8.0f} {held / 2**20:9.1f} {images / 2**20:11.1f} {live:10.0f}")
     for name, value in result.items():
-        print(f"{name:>14}: {value:,.0f}" if isinstance(value, (int, float)) else f"{name:>14}: {value}")
+        print(f"{name:>20}: {value:,.0f}" if isinstance(value, (int, float)) else f"{name:>20}: {value}")
     if args.png is not None:
         args.png.with_suffix(".json").write_text(json.dumps({**result, "samples": samples}))
         plot({**result, "samples": samples}, args.png)

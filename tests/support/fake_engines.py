@@ -59,6 +59,7 @@ class FakeState:
     check_features: Callable[[dict[str, Any]], str | None] | None = None
     queued: list[list[int]] = field(default_factory=list)  # answers to give next, exactly (logprob -0.5)
     token_ids_unasked: bool = False  # a vLLM-like server that sends `token_ids` even when not asked
+    record: bool = True  # keep what was sent (`requests`, `session_headers`); off for long benchmarks
 
 
 def _take(
@@ -86,8 +87,9 @@ def _take(
 
 async def _received(state: FakeState, request: Request) -> dict[str, Any]:
     body: dict[str, Any] = await request.json()
-    state.requests.append(body)
-    state.session_headers.append(request.headers.get("x-session-id"))
+    if state.record:
+        state.requests.append(body)
+        state.session_headers.append(request.headers.get("x-session-id"))
     if request.client is not None:
         state.peers.add(request.client.port)
     return body

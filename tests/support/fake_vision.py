@@ -26,9 +26,15 @@ VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 
 
 class FakeVision:
-    def __init__(self) -> None:
+    def __init__(self, tensor_bytes: int = 0, *, record: bool = True, grid_by_size: bool = False) -> None:
+        """`tensor_bytes`: the size each render's `kwargs_data` is padded to (a real 1280x800
+        screenshot's are about 8 MB); `record`: keep the generate bodies that carried images;
+        `grid_by_size`: process one image of each size only (a benchmark's screenshots share one)."""
         self.processor = Qwen2VLImageProcessorPil()
-        self.kwargs: dict[str, str] = {}  # mm hash -> the serialised outputs the render answered
+        self.tensor_bytes, self.record, self.grid_by_size = tensor_bytes, record, grid_by_size
+        self._size_grids: dict[tuple[int, int], list[int]] = {}
+        self.kwargs: dict[str, str] = {}  # mm hash -> the digest of the serialised outputs it answered
+        self.grids: dict[str, list[int]] = {}  # mm hash -> the image's patch grid
         self.renders = 0
         self.generations: list[dict[str, Any]] = []  # generate bodies that carried images
         # vLLM's processor cache: the hashes whose tensors a generate request brought, which later
@@ -43,17 +49,22 @@ class FakeVision:
     def render(self, body: dict[str, Any]) -> dict[str, Any]:
         (part,) = body["messages"][0]["content"]
         data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
-        grid = self.processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="np")
-        thw = [int(v) for v in grid["image_grid_thw"][0]]
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        thw = self._size_grids.get(image.size) if self.grid_by_size else None
+        if thw is None:
+            grid = self.processor(images=[image], return_tensors="np")
+            thw = self._size_grids[image.size] = [int(v) for v in grid["image_grid_thw"][0]]
         pads = thw[0] * thw[1] * thw[2] // 4
         mm_hash = hashlib.sha256(data).hexdigest()[:32]
-        self.kwargs[mm_hash] = base64.b64encode(json.dumps({"grid": thw}).encode()).decode()
+        tensors = base64.b64encode(json.dumps({"grid": thw}).encode()).decode()
+        tensors += "A" * max(0, self.tensor_bytes - len(tensors))
+        self.kwargs[mm_hash], self.grids[mm_hash] = _digest(tensors), thw
         self.renders += 1
         tokens = [IM_START, USER, NEWLINE, VISION_START, *[IMAGE_PAD] * pads, VISION_END, IM_END, NEWLINE]
         features = {
             "mm_hashes": {"image": [mm_hash]},
             "mm_placeholders": {"image": [{"offset": 4, "length": pads}]},
-            "kwargs_data": {"image": [self.kwargs[mm_hash]]},
+            "kwargs_data": {"image": [tensors]},
         }
         return {"request_id": "render-fake", "token_ids": tokens, "features": features, "sampling_params": {}}
 
@@ -70,12 +81,10 @@ class FakeVision:
             self.misses += 1
             return MISSING
         for mm_hash, place, data in zip(hashes, places, kwargs, strict=True):
-            if data is None:
-                data = self.kwargs[mm_hash]
-            if self.kwargs.get(mm_hash) != data:
+            if data is not None and self.kwargs.get(mm_hash) != _digest(data):
                 return f"features: image {mm_hash} was not rendered by this server"
             start, length = place["offset"], place["length"]
-            thw = json.loads(base64.b64decode(data))["grid"]
+            thw = self.grids[mm_hash]
             if length != thw[0] * thw[1] * thw[2] // 4:
                 return f"features: image {mm_hash} takes {thw} patches, not {length} placeholders"
             if tokens[start : start + length] != [IMAGE_PAD] * length:
@@ -86,7 +95,11 @@ class FakeVision:
         stray = [i for i, t in enumerate(tokens) if t == IMAGE_PAD and i not in covered]
         if stray:
             return f"{len(stray)} image pad token(s) stand for no image (first at {stray[0]})"
-        if hashes:
+        if hashes and self.record:
             self.generations.append(body)
         self.held.update(mm_hash for mm_hash, data in zip(hashes, kwargs, strict=True) if data is not None)
         return None
+
+
+def _digest(tensors: str) -> str:
+    return hashlib.sha256(tensors.encode()).hexdigest()

@@ -9,6 +9,7 @@ machine, and no torchvision needed.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import threading
@@ -26,6 +27,9 @@ __all__ = ["VisionProcessor", "load_vision", "QWEN2_VL_TOKENS"]
 # (vision start, image placeholder, vision end) as Qwen2-VL, Qwen2.5-VL and Qwen3-VL spell them
 QWEN2_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 GRIDS_KEPT = 4096  # processed images remembered by digest: one screenshot re-sent each turn is processed once
+# sizes (width, height) on which the resize rule is checked against the processor before it is trusted:
+# below its smallest, odd and non-square, past its aspect-ratio limit, and the screens agents send
+RULE_PROBES = ((27, 27), (56, 56), (57, 91), (100, 30), (333, 77), (10, 4000), (800, 500), (1280, 800), (1920, 1080))
 
 
 class VisionProcessor:
@@ -60,14 +64,20 @@ class VisionProcessor:
         return dict(result)
 
     def grid(self, image: DecodedImage) -> tuple[int, int, int]:
-        """The processor's (t, h, w) patch grid for `image` (computed once per digest)."""
+        """The processor's (t, h, w) patch grid for `image` (computed once per digest). Where the
+        processor's resize rule was checked against the processor itself (`rule_holds`), the grid
+        follows from the image's size alone: no pixels processed (40-100 ms and 24 MB of float32 for
+        a 1280x800 screenshot)."""
         with self._lock:
             known = self._grids.get(image.digest)
             if known is not None:
                 self._grids.move_to_end(image.digest)
                 return known
         try:
-            t, h, w = (int(v) for v in self.outputs([image])["image_grid_thw"][0])
+            if self.rule_holds:
+                t, h, w = self._ruled_grid(image.width, image.height)
+            else:
+                t, h, w = (int(v) for v in self.outputs([image])["image_grid_thw"][0])
         except Exception as exc:  # the processor's own refusal (e.g. an image too small for its patches)
             raise InvalidRequest(
                 f"the model's image processor cannot take this image: {exc}", param="messages"
@@ -81,17 +91,48 @@ class VisionProcessor:
     def refusal(self, width: int, height: int) -> str | None:
         """Why the processor refuses an image of this size (its resize rule, e.g. Qwen2-VL's aspect
         ratio of at most 200), or None: asked when a request is parsed, so the 400 names the part."""
+        try:
+            self._ruled_grid(width, height)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _ruled_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The grid Qwen2-VL's resize rule (`smart_resize`, the processor's own function) gives an
+        image of this size under the processor's settings; ValueError where the rule refuses it."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         size = getattr(self.processor, "size", None)
         lowest = getattr(size, "shortest_edge", None) or 56 * 56
         highest = getattr(size, "longest_edge", None) or 14 * 14 * 4 * 1280
-        factor = int(getattr(self.processor, "patch_size", 14) or 14) * self.merge_size
-        try:
-            smart_resize(height, width, factor=factor, min_pixels=lowest, max_pixels=highest)
-        except ValueError as exc:
-            return str(exc)
-        return None
+        patch = int(getattr(self.processor, "patch_size", 14) or 14)
+        resized_height, resized_width = smart_resize(
+            height, width, factor=patch * self.merge_size, min_pixels=lowest, max_pixels=highest
+        )
+        return 1, resized_height // patch, resized_width // patch
+
+    @functools.cached_property
+    def rule_holds(self) -> bool:
+        """Whether the resize rule gives the processor's own grid (or its refusal) on every size of
+        RULE_PROBES, blank images processed once: true for Qwen2-VL's processors and their settings;
+        another processor, or one whose rule differs, has every image processed."""
+        from PIL import Image
+
+        for width, height in RULE_PROBES:
+            try:
+                grid = self.processor(images=[Image.new("RGB", (width, height))], return_tensors="np")
+                processed: tuple[int, ...] | None = tuple(int(v) for v in grid["image_grid_thw"][0])
+            except Exception:  # refused by the processor
+                processed = None
+            try:
+                ruled: tuple[int, ...] | None = self._ruled_grid(width, height)
+            except ValueError:
+                ruled = None
+            except Exception:
+                return False
+            if ruled != processed:
+                return False
+        return True
 
     def placeholders(self, grid: tuple[int, int, int]) -> int:
         """How many placeholder tokens the processor puts for an image of `grid`."""
