@@ -8,6 +8,7 @@ logit is an error for its own generation (`SamplingError`), never for the worker
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -87,8 +88,13 @@ def sample_token(
 
     Temperature 0 is greedy and records the logprob at temperature 1 (of the shaped logits). Under the
     suite's sampling salt (`sampling_salt`) greedy decoding argmaxes over logits plus that run's jitter,
-    and records the logprob of the same jittered row."""
-    raw = logits.astype(np.float64)
+    and records the logprob of the same jittered row.
+
+    The row's float64 copies live in this thread's scratch buffers: a fresh array of a 49k vocabulary
+    is 393 KB, past the allocator's mmap threshold, and its page faults cost ten times the exp."""
+    scratch = _scratch(logits.size)
+    raw = scratch.raw
+    np.copyto(raw, logits)
     raw[np.isnan(raw)] = -np.inf  # a NaN logit can never be drawn; +inf stays the certain token
     if shaper is not None:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -103,49 +109,119 @@ def sample_token(
         jitter = sampling_salt.greedy_jitter(raw.size)
         if jitter is not None:
             raw = raw + jitter
-    logp = log_softmax(raw if greedy else raw / params.temperature)
-    token = int(np.argmax(logp)) if greedy else _draw(logp, params, rng)
+    logp = scratch.logp
+    if greedy or params.temperature == 1.0:
+        np.copyto(logp, raw)
+    else:
+        np.divide(raw, params.temperature, out=logp)
+    _log_softmax_in_place(logp, scratch.probs)
+    token = int(np.argmax(logp)) if greedy else _draw(logp, params, rng, scratch)
     top: tuple[tuple[int, float], ...] = ()
     if params.top_logprobs:
         k = min(params.top_logprobs, logp.size)
-        best = np.argpartition(-logp, k - 1)[:k]
-        best = best[np.argsort(-logp[best], kind="stable")]
+        best = _largest(logp, k)
         top = tuple((int(t), float(logp[t])) for t in best)
     return token, float(logp[token]), top
 
 
-def _draw(logp: Floats, params: SamplingParams, rng: np.random.Generator) -> int:
-    probs = np.exp(logp)  # the best token has probability exp(0 - log Z) > 0: never all zero
+class _Scratch:
+    """One thread's float64 rows for one vocabulary size; `weights` is padded to whole blocks."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.raw = np.empty(size)
+        self.logp = np.empty(size)
+        self.probs = np.empty(size)
+        self.weights = np.zeros(-(-size // _BLOCK) * _BLOCK)
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> _Scratch:
+    scratch: _Scratch | None = getattr(_local, "scratch", None)
+    if scratch is None or scratch.size != size:
+        scratch = _local.scratch = _Scratch(size)
+    return scratch
+
+
+def _log_softmax_in_place(x: Floats, exps: Floats) -> None:
+    """`x` becomes log softmax(x), as `log_softmax` computes it, with `exps` as its scratch."""
+    np.subtract(x, np.max(x), out=x)
+    np.exp(x, out=exps)
+    np.subtract(x, np.log(np.sum(exps)), out=x)
+
+
+def _largest(values: Floats, k: int) -> npt.NDArray[np.intp]:
+    """The indices of the `k` largest values, best first, ties in index order (as a stable sort of
+    the whole row by descending value would list them)."""
+    candidates = _at_least(values, k)
+    result: npt.NDArray[np.intp] = candidates[np.argsort(-values[candidates], kind="stable")[:k]]
+    return result
+
+
+_STRIDE = 64  # every 64th value is a sample of the row, to guess a threshold from
+
+
+def _at_least(values: Floats, k: int) -> npt.NDArray[np.intp]:
+    """Ascending indices of every value at or above a threshold that at least `k` values reach: so
+    the k largest and every tie of the k-th are among them. The threshold is the k-th largest of
+    every 64th value, and a row of 49k is compared instead of partitioned (0.3 ms)."""
+    if k * _STRIDE >= values.size:
+        return np.arange(values.size)
+    sample = values[::_STRIDE]
+    threshold = np.partition(sample, sample.size - k)[sample.size - k]
+    return np.flatnonzero(values >= threshold)
+
+
+def _draw(logp: Floats, params: SamplingParams, rng: np.random.Generator, scratch: _Scratch) -> int:
+    probs = scratch.probs
+    np.exp(logp, out=probs)  # the best token has probability exp(0 - log Z) > 0: never all zero
     keep = probs > 0.0
     if params.top_k and params.top_k < probs.size:
-        cutoff = np.partition(probs, probs.size - params.top_k)[probs.size - params.top_k]
-        keep &= probs >= cutoff
+        keep &= probs >= probs[_largest(probs, params.top_k)[-1]]
     if params.min_p > 0.0:
         keep &= probs >= params.min_p * probs.max()
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
+        keep &= _nucleus(probs, params.top_p)
+    weights = scratch.weights  # its padding past the row stays 0
+    row = weights[: probs.size]
+    row.fill(0.0)
+    np.copyto(row, probs, where=keep)
+    return _inverse_cdf(weights, probs.size, rng.random())
+
+
+def _nucleus(probs: Floats, top_p: float) -> npt.NDArray[np.bool_]:
+    """The smallest set of most probable tokens whose mass reaches `top_p` (at least the best one),
+    ties in index order: the prefix a stable sort of the whole row would give, found by sorting only
+    the most probable tokens (more of them until their mass reaches `top_p`) instead of all 49k
+    (4.7 ms)."""
+    count = 64
+    while True:
+        candidates = _at_least(probs, count)
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
         cumulative = np.cumsum(probs[order])
-        # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-        last = int(np.searchsorted(cumulative, params.top_p, side="left"))
-        nucleus = np.zeros_like(keep)
-        nucleus[order[: last + 1]] = True
-        keep &= nucleus
-    weights = np.where(keep, probs, 0.0)
-    return _inverse_cdf(weights, rng.random())
+        if cumulative[-1] >= top_p or candidates.size == probs.size:
+            break
+        count *= 8
+    # keep the smallest prefix whose mass reaches top_p (always at least the best token)
+    last = int(np.searchsorted(cumulative, top_p, side="left"))
+    nucleus = np.zeros(probs.size, dtype=bool)
+    nucleus[order[: last + 1]] = True
+    return nucleus
 
 
 _BLOCK = 512  # the draw finds a block of this many tokens by their sums, then the token inside it
 
 
-def _inverse_cdf(weights: Floats, uniform: float) -> int:
-    """The first token whose cumulative weight passes `uniform` x the total (a token with weight > 0).
-    A cumulative sum over the whole row is sequential (0.4 ms for 49k tokens, a third of a sampled
-    token's cost); over the blocks' sums and then one block it is two short ones."""
-    size = weights.size
+def _inverse_cdf(padded: Floats, size: int, uniform: float) -> int:
+    """The first token whose cumulative weight passes `uniform` x the total (a token with weight > 0),
+    over `padded`: the row's `size` weights, then zeros to a whole number of blocks. A cumulative sum
+    over the whole row is sequential (0.4 ms for 49k tokens, a third of a sampled token's cost); over
+    the blocks' sums and then one block it is two short ones."""
     if size <= _BLOCK:
+        weights = padded[:size]
         return _first_past(weights, uniform * float(np.sum(weights)))
-    padded = np.zeros(-(-size // _BLOCK) * _BLOCK)
-    padded[:size] = weights
     blocks = padded.reshape(-1, _BLOCK)
     ends = np.cumsum(blocks.sum(axis=1))
     point = uniform * float(ends[-1])
