@@ -128,8 +128,14 @@ class Native:
         return int(self._lib.llama_decode(self.ctx, batch))
 
     def logits(self, row: int) -> np.ndarray:
+        """The row's logits, a copy of its own (for a grammar thread that runs past the next decode)."""
+        return self.logits_view(row).copy()
+
+    def logits_view(self, row: int) -> np.ndarray:
+        """The row's logits in llama.cpp's buffer, valid until the next decode: what the worker samples
+        from at once (a copy of a 49k row page-faults, the buffer being past the mmap threshold)."""
         pointer = self._lib.llama_get_logits_ith(self.ctx, row)
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
 
     def cut(self, seq_id: int, start: int) -> None:
         """Drop the sequence's KV from position `start` on."""
@@ -501,7 +507,7 @@ class Batcher:
                 self._mask_later(generation, self.native.logits(row))
                 masking = True
             else:
-                self._sample(generation, self.native.logits(row))
+                self._sample(generation, self.native.logits_view(row))
         if masking:  # as long as the decode took: a grammar that is late holds up no other generation longer
             self._await_masks(self._decode_seconds, every=True)
 
