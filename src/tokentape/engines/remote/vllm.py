@@ -6,6 +6,7 @@ and logprobs are read from the response, never from text."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import uuid
@@ -162,8 +163,9 @@ class VLLMEngine(UpdatableRemote):
         if images:
             self._refuse_images()
         body = self._body(prompt, params, seed, constraint, whole)
-        async for token in self._sampled(body, session_id, params):
-            yield token
+        async with contextlib.aclosing(self._sampled(body, session_id, params)) as tokens:
+            async for token in tokens:
+                yield token
 
     async def _sampled(
         self, body: dict[str, Any], session_id: str | None, params: SamplingParams
@@ -255,10 +257,12 @@ class VLLMGenerateEngine(VLLMEngine):
         images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         if not images:
-            async for token in super().generate(
+            plain = super().generate(
                 prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
-            ):
-                yield token
+            )
+            async with contextlib.aclosing(plain) as tokens:
+                async for token in tokens:
+                    yield token
             return
         self._check_constraint(constraint)
         body = self._body(prompt, params, seed, constraint, whole)
@@ -266,11 +270,10 @@ class VLLMGenerateEngine(VLLMEngine):
         body["features"] = features(prompt, images, renders)
         started = False
         try:
-            async for token in self._sampled(body, session_id, params):
-                if not started:
+            async with contextlib.aclosing(self._taken(body, session_id, params, images, renders)) as tokens:
+                async for token in tokens:
                     started = True
-                    self._took(images, renders)
-                yield token
+                    yield token
             return
         except (EngineFailure, InvalidRequest):
             # vLLM answers an image it no longer holds with a bare 500: before the first token, a
@@ -281,11 +284,26 @@ class VLLMGenerateEngine(VLLMEngine):
         self.image_resends += 1
         renders = await self._rendered(images, resend=True)
         body.update(request_id=uuid.uuid4().hex, features=features(prompt, images, renders))
-        async for token in self._sampled(body, session_id, params):
-            if not started:
-                started = True
-                self._took(images, renders)
-            yield token
+        async with contextlib.aclosing(self._taken(body, session_id, params, images, renders)) as tokens:
+            async for token in tokens:
+                yield token
+
+    async def _taken(
+        self,
+        body: dict[str, Any],
+        session_id: str | None,
+        params: SamplingParams,
+        images: Sequence[PromptImage],
+        renders: Sequence[RenderedImage],
+    ) -> AsyncGenerator[SampledToken, None]:
+        """The generation's tokens; once the first comes, vLLM took the images (`_took`)."""
+        first = True
+        async with contextlib.aclosing(self._sampled(body, session_id, params)) as tokens:
+            async for token in tokens:
+                if first:
+                    first = False
+                    self._took(images, renders)
+                yield token
 
     async def _rendered(self, images: Sequence[PromptImage], *, resend: bool) -> list[RenderedImage]:
         """Each image's render, with its tensors where vLLM is not known to hold them (every one when
