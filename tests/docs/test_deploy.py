@@ -43,7 +43,8 @@ def test_every_serve_option_the_deploy_page_names_exists() -> None:
     assert named <= _serve_options(), named - _serve_options()
     # options mentioned in the page's prose and tables, where they are written as `--option`
     prose = set(OPTION.findall(re.sub(r"```.*?```", "", page, flags=re.S)))
-    others = {"--build-arg", "--env-file", "--no-cache-dir", "--logprobs-mode"}  # docker's, pip's, vLLM's
+    # docker's, pip's, vLLM's
+    others = {"--build-arg", "--env-file", "--no-cache-dir", "--logprobs-mode", "--mm-processor-cache-gb"}
     assert prose <= _serve_options() | others, prose - _serve_options() - others
 
 
