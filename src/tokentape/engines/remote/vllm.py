@@ -160,10 +160,9 @@ class VLLMEngine(UpdatableRemote):
         images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
         self._check_constraint(constraint)
-        if images:
-            self._refuse_images()
         body = self._body(prompt, params, seed, constraint, whole)
-        async with contextlib.aclosing(self._sampled(body, session_id, params)) as tokens:
+        stream = self._with_images(body, prompt, images, session_id, params) if images else None
+        async with contextlib.aclosing(stream or self._sampled(body, session_id, params)) as tokens:
             async for token in tokens:
                 yield token
 
@@ -181,8 +180,16 @@ class VLLMEngine(UpdatableRemote):
         finally:
             await events.aclose()
 
-    def _refuse_images(self) -> None:
-        """The completions route takes token IDs without images."""
+    def _with_images(
+        self,
+        body: dict[str, Any],
+        prompt: Sequence[int],
+        images: Sequence[PromptImage],
+        session_id: str | None,
+        params: SamplingParams,
+    ) -> AsyncGenerator[SampledToken, None]:
+        """The tokens of a generation whose prompt holds images. The completions route takes token IDs
+        without images."""
         raise InvalidRequest(
             f"the {self.kind} engine (vLLM's /v1/completions) takes no images with token IDs; serve the model "
             "behind vLLM's token route (--engine vllm-generate=URL)",
@@ -245,48 +252,34 @@ class VLLMGenerateEngine(VLLMEngine):
 
     image_resends = 0  # generations sent again with every image's tensors after naming one by hash failed
 
-    async def generate(
+    async def _with_images(
         self,
+        body: dict[str, Any],
         prompt: Sequence[int],
+        images: Sequence[PromptImage],
+        session_id: str | None,
         params: SamplingParams,
-        *,
-        seed: int | None,
-        session_id: str | None = None,
-        constraint: Constraint | None = None,
-        whole: bool = False,
-        images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
-        if not images:
-            plain = super().generate(
-                prompt, params, seed=seed, session_id=session_id, constraint=constraint, whole=whole
-            )
-            async with contextlib.aclosing(plain) as tokens:
-                async for token in tokens:
-                    yield token
-            return
-        self._check_constraint(constraint)
-        body = self._body(prompt, params, seed, constraint, whole)
-        renders = await self._rendered(images, resend=False)
-        body["features"] = features(prompt, images, renders)
-        started = False
-        try:
-            async with contextlib.aclosing(self._taken(body, session_id, params, images, renders)) as tokens:
-                async for token in tokens:
-                    started = True
-                    yield token
-            return
-        except (EngineFailure, InvalidRequest):
-            # vLLM answers an image it no longer holds with a bare 500: before the first token, a
-            # request that named any image by hash alone is sent once more with every image's tensors
-            if started or all(render.kwargs_data is not None for render in renders):
-                raise
-        self._sent.forget()
-        self.image_resends += 1
-        renders = await self._rendered(images, resend=True)
-        body.update(request_id=uuid.uuid4().hex, features=features(prompt, images, renders))
-        async with contextlib.aclosing(self._taken(body, session_id, params, images, renders)) as tokens:
-            async for token in tokens:
-                yield token
+        """Images vLLM holds are named by hash alone. vLLM answers one it no longer holds with a bare
+        500: before the first token, a request that named any image by hash is sent once more with
+        every image's tensors."""
+        for resend in (False, True):
+            renders = await self._rendered(images, resend=resend)
+            body["features"] = features(prompt, images, renders)
+            if resend:
+                body["request_id"] = uuid.uuid4().hex
+            started = False
+            try:
+                async with contextlib.aclosing(self._taken(body, session_id, params, images, renders)) as tokens:
+                    async for token in tokens:
+                        started = True
+                        yield token
+                return
+            except (EngineFailure, InvalidRequest):
+                if resend or started or all(render.kwargs_data is not None for render in renders):
+                    raise
+            self._sent.forget()
+            self.image_resends += 1
 
     async def _taken(
         self,
