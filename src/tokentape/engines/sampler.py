@@ -27,8 +27,8 @@ class SamplingError(ValueError):
 
 
 def log_softmax(x: Floats) -> Floats:
-    shifted = x - np.max(x)
-    result: Floats = shifted - np.log(np.sum(np.exp(shifted)))
+    result: Floats = np.array(x, dtype=np.float64)
+    _log_softmax_in_place(result, np.empty_like(result))
     return result
 
 
@@ -146,7 +146,7 @@ def _scratch(size: int) -> _Scratch:
 
 
 def _log_softmax_in_place(x: Floats, exps: Floats) -> None:
-    """`x` becomes log softmax(x), as `log_softmax` computes it, with `exps` as its scratch."""
+    """`x` becomes log softmax(x) (shifted by its max, in log space), with `exps` as its scratch."""
     np.subtract(x, np.max(x), out=x)
     np.exp(x, out=exps)
     np.subtract(x, np.log(np.sum(exps)), out=x)
