@@ -50,6 +50,7 @@ class RuntimeSettings:
     context_length: int = 8192
     threads: int = 0
     parallel: int = 0  # the embedded engine's generations decoded together; 0: its default
+    flash_attention: bool | None = None  # the embedded engine's; None: its default
     rewrite_policy: RewritePolicy = "tape"
     served_model_name: str | None = None
     store_path: str = ":memory:"  # a file keeps every turn across restarts
@@ -135,6 +136,7 @@ def build_gateway(settings: RuntimeSettings, engine: Engine | None = None) -> tu
             context_length=settings.context_length,
             threads=settings.threads,
             parallel=settings.parallel,
+            flash_attention=settings.flash_attention,
         )
     )
     if renderer.tokenizer.vocab_size > engine.vocab_size:

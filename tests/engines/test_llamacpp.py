@@ -23,10 +23,14 @@ async def _generate(engine: LlamaCppEngine, prompt: list[int], params: SamplingP
     return [s.token_id async for s in engine.generate(prompt, params, seed=seed)]
 
 
-def _replay(model_path: Path, tokens: list[int], start: int, *, batched: bool, kv_f32: bool = False) -> np.ndarray:
+def _replay(
+    model_path: Path, tokens: list[int], start: int, *, batched: bool, kv_f32: bool = False, flash: bool = False
+) -> np.ndarray:
     """Logits of positions start-1 .. end-1 recomputed by a fresh model instance."""
     kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if kv_f32 else {}
-    reference = llama_cpp.Llama(str(model_path), n_ctx=1024, logits_all=batched, verbose=False, n_threads=1, **kv)
+    reference = llama_cpp.Llama(
+        str(model_path), n_ctx=1024, logits_all=batched, verbose=False, n_threads=1, flash_attn=flash, **kv
+    )
     try:
         if batched:
             reference.eval(tokens)
@@ -56,13 +60,15 @@ async def test_recorded_logprobs_are_the_engines_own_computation(renderer: Rende
     engine = LlamaCppEngine(LlamaCppSettings(model_path=model_path, context_length=1024, parallel=1))
     prompt = renderer.prompt(QUESTION, RenderOptions()).tokens
     params = SamplingParams(temperature=0.8, max_tokens=24)
+    flash = engine.flash_attention  # on by default (an F16 KV cache): the replay computes as the engine did
     try:
         samples = [s async for s in engine.generate(prompt, params, seed=11)]
     finally:
         await engine.close()
     recorded = np.array([s.logprob for s in samples])
     sequence = prompt + [s.token_id for s in samples]
-    replayed = _recomputed(_replay(model_path, sequence, len(prompt), batched=False), samples, params.temperature)
+    logits = _replay(model_path, sequence, len(prompt), batched=False, flash=flash)
+    replayed = _recomputed(logits, samples, params.temperature)
     assert np.array_equal(replayed, recorded)
 
 
@@ -177,3 +183,23 @@ async def test_generations_say_their_logprobs_are_temperature_scaled(engine: Lla
     ]:
         modes = {t.logprob_mode async for t in engine.generate(prompt, params, seed=1)}
         assert modes == {expected}
+
+
+def test_flash_attention_is_on_by_default_and_off_for_an_f32_cache(
+    engine: LlamaCppEngine, f32_model_path: Path
+) -> None:
+    """On, the KV that idle slots keep costs other generations nothing; an F32 cache (a trainer's
+    exact logprobs) keeps the plain path unless told otherwise."""
+    assert engine.describe()["flash_attention"] is True
+    for settings, expected in [
+        (LlamaCppSettings(model_path=f32_model_path, context_length=512, kv_cache_f32=True), False),
+        (
+            LlamaCppSettings(model_path=f32_model_path, context_length=512, kv_cache_f32=True, flash_attention=True),
+            True,
+        ),
+    ]:
+        other = LlamaCppEngine(settings)
+        try:
+            assert other.describe()["flash_attention"] is expected
+        finally:
+            asyncio.run(other.close())

@@ -14,6 +14,15 @@ from tokentape.gateway.sessions import REWRITE_POLICIES, check_policy
 if TYPE_CHECKING:
     from tokentape.server.dialects.images import ImageLimits
 
+SWITCH = {"auto": None, "on": True, "off": False}
+
+
+def check_switch(value: str, option: str) -> bool | None:
+    """auto, on or off: None (the component decides), True, False."""
+    if value not in SWITCH:
+        raise typer.BadParameter("auto, on or off", param_hint=option)
+    return SWITCH[value]
+
 
 @app.command()
 def serve(
@@ -53,6 +62,13 @@ def serve(
         int,
         typer.Option(min=0, help="Generations the embedded engine decodes together (continuous batching). 0: 16."),
     ] = 0,
+    flash_attention: Annotated[
+        str,
+        typer.Option(
+            help="The embedded engine's flash attention (auto, on, off). auto: on, so that the KV kept for "
+            "sessions' next turns costs other generations nothing; an F32 KV cache keeps it off."
+        ),
+    ] = "auto",
     rewrite_policy: Annotated[
         str,
         typer.Option(
@@ -210,6 +226,7 @@ def serve(
         context_length=context_length,
         threads=threads,
         parallel=parallel,
+        flash_attention=check_switch(flash_attention, "--flash-attention"),
         rewrite_policy=check_policy(rewrite_policy),
         served_model_name=served_model_name,
         store_path=store,

@@ -77,8 +77,13 @@ class LlamaCppSettings:
     context_length: int = 8192  # per sequence: prompt + generation
     threads: int = 0  # 0: default_threads(), or every core while that runs faster (engines.threads)
     batch_size: int = 512
-    # Flash attention stays off on the CPU: on, it moved logprobs by up to 0.1 nats.
-    flash_attention: bool = False
+    # Flash attention; None: on, unless the KV cache is F32. Off, llama.cpp attends every sequence over
+    # every cell up to the highest one in use, so the KV that slots keep for sessions' next turns slows
+    # every step (a token took 11 ms beside no such cells, 70 ms beside 15k of them); on, a sequence
+    # skips the cells it does not see. Its CPU kernels round to F16 in places: on an F16 cache that is
+    # the size of what F16 costs already, but on an F32 cache (a trainer's ratios) it moved logprobs by
+    # 1e-3 nats where the plain path agrees with an F32 torch forward to 1e-5.
+    flash_attention: bool | None = None
     # An F32 KV cache (llama.cpp's default is F16): with F32 weights, logprobs then agree with an F32
     # torch forward to ~1e-5 nats instead of ~2e-3 (a trainer's importance ratios need that)
     kv_cache_f32: bool = False
@@ -104,6 +109,9 @@ class LlamaCppEngine:
         # so its logprobs are bit for bit those of a context of its own.
         self._sequences = 1 if self.parallel == 1 else min(_MAX_SEQUENCES, max(4 * self.parallel, 32))
         self.threads = settings.threads or default_threads()
+        self.flash_attention = (
+            not settings.kv_cache_f32 if settings.flash_attention is None else settings.flash_attention
+        )
         native = self._open(settings.model_path)
         vocab = llama_cpp.llama_model_get_vocab(native.model)
         self.vocab_size: int = native.n_vocab
@@ -128,6 +136,7 @@ class LlamaCppEngine:
             tuner=ThreadTuner(self.threads, all_threads()) if tuned else None,
             make_mask=lambda n, grammar: _GrammarMask(self._lib, n, grammar),
             on_finish=self._finished,
+            bound_idle_kv=not self.flash_attention,
         )
 
     @property
@@ -141,7 +150,7 @@ class LlamaCppEngine:
             batch_size=self.settings.batch_size,
             cache_tokens=self.cache_tokens,
             sequences=self._sequences,
-            flash_attention=self.settings.flash_attention,
+            flash_attention=self.flash_attention,
             kv_cache_f32=self.settings.kv_cache_f32,
         )
         return Native(self._lib, path, settings)
@@ -253,7 +262,7 @@ class LlamaCppEngine:
             "kind": "llama.cpp",
             "model": self.model_id,
             "context_length": self.context_length,
-            "flash_attention": self.settings.flash_attention,
+            "flash_attention": self.flash_attention,
             "parallel": self.parallel,
             "cache_tokens": self.cache_tokens,
             "threads": self._batcher.threads,  # what the last step ran with
@@ -270,6 +279,7 @@ class LlamaCppEngine:
             "steps": batcher.steps,
             "mean_batch": round(batcher.batched_sequences / batcher.steps, 2) if batcher.steps else 0.0,
             "preempted": batcher.preempted,
+            "idle_kv_dropped": batcher.idle_kv_dropped,
             "worker_faults": batcher.faults,
             "worker_restarts": batcher.restarts,
             "weights_version": self.weights_version,

@@ -181,6 +181,7 @@ class EmbeddedEngine:
                 context_length=runtime.context_length,
                 threads=runtime.threads,
                 parallel=runtime.parallel,
+                flash_attention=runtime.flash_attention,
             )
         )
         self.sources: dict[int, WeightSource] = {}  # what each version loaded, for a restore
