@@ -279,3 +279,55 @@ async def test_a_weight_update_lands_on_a_whole_batch_at_a_token_boundary(
             assert max(abs(row[t.token_id] - t.logprob) for row, t in zip(base[k:], after, strict=True)) > 10 * BOUND
     finally:
         tuned.close()
+
+
+def _long_prompts(renderer: Renderer, names: Sequence[str], length: int) -> list[list[int]]:
+    """A prompt of about `length` tokens per name, no two sharing more than the template's opening."""
+    prompts = []
+    for name in names:
+        words = [f"{name}{i}" for i in range(length)]
+        while len(prompt := _prompts(renderer, [" ".join(words)])[0]) > length:
+            words.pop()
+        prompts.append(prompt)
+    return prompts
+
+
+async def test_without_flash_attention_idle_kv_is_kept_only_within_the_running_ones(
+    batching: LlamaCppEngine, renderer: Renderer
+) -> None:
+    """Every sequence attends over every cell in use when flash attention is off (this F32 engine):
+    idle slots keep at most as many tokens of KV as the running generations hold, at least a batch
+    (512), least recently used emptied first, as llama.cpp's own cache shows."""
+    assert not batching.flash_attention
+    batcher = batching._batcher
+    native = batcher.native
+    names = ["first", "second", "third", "fourth"]
+    prompts = _long_prompts(renderer, names, 200)
+    assert all(180 <= len(p) <= 200 for p in prompts)  # three idle ones are past 512 together, two are not
+    dropped = batcher.idle_kv_dropped
+    seq_ids = {}
+    for name, prompt in zip(names, prompts, strict=True):
+        await _generate(batching, prompt, session_id=name)
+        seq_ids[name] = next(s.seq_id for s in batcher.slots.slots if s.session == name)
+    assert batcher.idle_kv_dropped > dropped  # "first" (and any older idle slot) emptied as "fourth" ran
+
+    def held(name: str) -> int:
+        return int(native._lib.llama_memory_seq_pos_max(native.memory, seq_ids[name])) + 1
+
+    assert held("first") == 0
+    assert all(held(name) >= len(prompt) for name, prompt in zip(names[1:], prompts[1:], strict=True))
+    # the second turn of a kept session skips its first; one of the emptied session computes it again
+    for name, prompt, kept in [("third", prompts[2], True), ("first", prompts[0], False)]:
+        saved = batcher.prefill_tokens_saved
+        await _generate(batching, prompt + renderer.tokenizer.encode("\nMore?\n"), session_id=name)
+        spared = batcher.prefill_tokens_saved - saved
+        assert spared >= len(prompt) if kept else spared < len(prompt) // 4
+
+
+async def test_with_flash_attention_idle_kv_stays_cached(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    assert engine.flash_attention
+    names = ["fa-first", "fa-second", "fa-third", "fa-fourth"]
+    for name, prompt in zip(names, _long_prompts(renderer, names, 200), strict=True):
+        await _generate(engine, prompt, session_id=name)
+    assert engine._batcher.idle_kv_dropped == 0
+    assert {s.session for s in engine._batcher.slots.slots} >= set(names)
