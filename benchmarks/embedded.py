@@ -24,7 +24,12 @@ turn at the client's default sampling (temperature 1), rounds interleaved, media
 tokens/s. The machine's load average is printed with each row.
 
     python benchmarks/embedded.py --llama-server path/to/llama-server --sessions 1,16 --turns 2 --max-tokens 96
-        [--rounds 3] [--server-threads 2] [--serve-args "--threads 2"]
+        [--rounds 3] [--server-threads 2] [--serve-args "--threads 2"] [--earlier-sessions 40]
+
+`--serve-args` again adds another `tokentape serve` variant to the same rounds (`--serve-args ""
+--serve-args "--flash-attention off"`: the default beside flash attention off); `--earlier-sessions N`
+first has each server serve N other sessions, as a server that has been up a while has (their KV stays
+cached in tokentape's slots; llama-server's slots keep only their last prompt).
 """
 
 from __future__ import annotations
@@ -263,9 +268,11 @@ def beside_llama_server(args: argparse.Namespace) -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="tokentape-embedded-"))
 
+    variants = {f"tokentape {extra}".strip(): extra for extra in args.serve_args or [""]}
+
     def launched(name: str, port: int, count: int) -> contextlib.AbstractContextManager[object]:
-        if name == "tokentape":
-            return running_server(["--store", ":memory:", *shlex.split(args.serve_args)], port=port)
+        if name in variants:
+            return running_server(["--store", ":memory:", *shlex.split(variants[name])], port=port)
         # llama-server's context is shared by its slots: the same per-sequence room as tokentape's
         command = [args.llama_server, "-m", gguf, "--port", str(port), "-t", str(args.server_threads)]
         command += ["-np", str(count), "-c", str(CONTEXT * count), "--no-webui"]
@@ -278,10 +285,12 @@ def beside_llama_server(args: argparse.Namespace) -> None:
         for count in counts:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            pair = ["tokentape", "llama-server"] if round_ % 2 == 0 else ["llama-server", "tokentape"]
-            for name in pair:
+            names = [*variants, "llama-server"]
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # each first in turn
                 with launched(name, port, count):
                     asyncio.run(sessions_on_server(1, args, tag=0, url=url, greedy=False))  # warm up
+                    if args.earlier_sessions:  # what a server that has served others holds
+                        asyncio.run(sessions_on_server(args.earlier_sessions, args, tag=-1, url=url, greedy=False))
                     run = asyncio.run(sessions_on_server(count, args, tag=round_, url=url, greedy=False))
                 rates.setdefault((count, name), []).append(run.tokens / run.seconds)
                 print(
@@ -291,14 +300,15 @@ def beside_llama_server(args: argparse.Namespace) -> None:
                 )
     print(
         f"\nSmolLM2-135M Q4_1 (the shipped GGUF), {args.turns} turns x up to {args.max_tokens} tokens a session, "
-        f"client's default sampling; tokentape serve {args.serve_args or '(defaults)'}; llama-server "
-        f"-t {args.server_threads} -np <sessions>; medians of {args.rounds} rounds"
+        f"client's default sampling; {args.earlier_sessions} sessions served before the measured ones; "
+        f"llama-server -t {args.server_threads} -np <sessions>; medians of {args.rounds} rounds"
     )
-    print(f"{'sessions':>8} {'llama-server tok/s':>19} {'tokentape tok/s':>16} {'ratio':>6}")
+    print(f"{'sessions':>8} {'llama-server tok/s':>19}  tokentape tok/s and ratio")
     for count in counts:
         theirs_rate = statistics.median(rates[(count, "llama-server")])
-        ours_rate = statistics.median(rates[(count, "tokentape")])
-        print(f"{count:>8} {theirs_rate:>19.1f} {ours_rate:>16.1f} {ours_rate / theirs_rate:>5.2f}x")
+        ours = [(name, statistics.median(rates[(count, name)])) for name in variants]
+        cells = ", ".join(f"{name}: {rate:.1f} ({rate / theirs_rate:.2f}x)" for name, rate in ours)
+        print(f"{count:>8} {theirs_rate:>19.1f}  {cells}")
 
 
 def main() -> None:
@@ -313,7 +323,12 @@ def main() -> None:
     parser.add_argument("--server", help="an OpenAI-compatible server to run the sessions against instead")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: tokentape serve beside it")
     parser.add_argument("--server-threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t")
-    parser.add_argument("--serve-args", default="", help="options added to `tokentape serve`")
+    parser.add_argument(
+        "--serve-args", action="append", help="options added to `tokentape serve`; again for another variant"
+    )
+    parser.add_argument(
+        "--earlier-sessions", type=int, default=0, help="sessions each server serves before the measured ones"
+    )
     args = parser.parse_args()
     if args.llama_server:
         beside_llama_server(args)
