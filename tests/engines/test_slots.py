@@ -61,17 +61,3 @@ def test_busy_slots_are_neither_taken_nor_evicted() -> None:
     assert running is not None
     assert table.assign([3, 4], "b", 0) is None
     assert table.evict() is None
-
-
-def test_idle_kv_beyond_a_budget_goes_least_recently_used_first() -> None:
-    table = SlotTable(4)
-    _run(table, [1] * 30, "a")
-    _run(table, [2] * 20, "b")
-    _run(table, [3] * 10, "c")
-    _run(table, [1] * 31, "a")  # a used again: b, then c, are the least recently used
-    running = table.assign([4] * 50, "d", 0)  # busy: never counted nor emptied
-    assert running is not None
-    assert table.idle_beyond(61) == []
-    assert [s.session for s in table.idle_beyond(60)] == ["b"]  # 61 held: b's 20 bring it to 41
-    assert [s.session for s in table.idle_beyond(31)] == ["b", "c"]
-    assert [s.session for s in table.idle_beyond(0)] == ["b", "c", "a"]

@@ -211,15 +211,8 @@ class Batcher:
         on_finish: Callable[[Generation], None],
         threads: int = 1,
         tuner: ThreadTuner | None = None,
-        bound_idle_kv: bool = False,
     ) -> None:
         self.native = native
-        # Without flash attention, llama.cpp attends every sequence of a step over every cell up to the
-        # highest in use: the KV idle slots keep for sessions' next turns then slows each step as much
-        # as the running generations' own. It is kept only up to as many tokens as those hold (at least
-        # a batch), least recently used emptied first.
-        self.bound_idle_kv = bound_idle_kv
-        self._released = False  # a slot went idle since the last trim
         self.threads = threads  # what the native context computes with now
         self.tuner = tuner  # None: `threads` stays, unless set_threads asks for others
         self.parallel = parallel
@@ -238,7 +231,6 @@ class Batcher:
         self.steps = 0
         self.batched_sequences = 0  # sequences sampled from, summed over steps: / steps = mean batch
         self.preempted = 0
-        self.idle_kv_dropped = 0  # idle slots emptied to keep attention short (bound_idle_kv)
         self.faults = 0  # errors the worker caught and survived (each failed the generations it concerned)
         self.restarts = 0  # times the worker thread died and was started again
         self._threads: int | None = None
@@ -446,7 +438,6 @@ class Batcher:
             if generation.slot is not None:
                 self.slots.release(generation.slot)
                 generation.slot = None
-                self._released = True
             if generation.mask is not None:
                 mask, generation.mask = generation.mask, None
                 masking, generation.masking = generation.masking, None
@@ -474,8 +465,6 @@ class Batcher:
         for generation in [g for g in self.active if g.cancel.is_set()]:
             self._finish(generation)  # at a token boundary: it samples nothing more
         self._collect_masks()
-        if self.bound_idle_kv and self._released and self.active:
-            self._trim_idle()
         while self.active:
             rows, outputs = self._plan()
             if not rows:  # every running generation waits for its grammar
@@ -599,14 +588,6 @@ class Batcher:
                 rows.append((generation.tokens[position], position, seq_id, last))
             room -= count
         return rows, outputs
-
-    def _trim_idle(self) -> None:
-        self._released = False
-        running = sum(len(g.tokens) for g in self.active)
-        for slot in self.slots.idle_beyond(max(running, self.native.batch_size)):
-            self.slots.empty(slot)
-            self.native.cut(slot.seq_id, 0)
-            self.idle_kv_dropped += 1
 
     def _make_room(self) -> bool:
         slot = self.slots.evict()

@@ -116,23 +116,6 @@ class SlotTable:
         if not holding:
             return None
         slot = min(holding, key=lambda s: s.last_used)
-        self.empty(slot)
-        return slot
-
-    def idle_beyond(self, budget: int) -> list[Slot]:
-        """The idle slots to empty, least recently used first, for the idle ones to hold at most
-        `budget` tokens of KV."""
-        holding = sorted((s for s in self.slots if not s.busy and s.tokens), key=lambda s: s.last_used)
-        held = sum(len(s.tokens) for s in holding)
-        beyond: list[Slot] = []
-        for slot in holding:
-            if held <= budget:
-                break
-            held -= len(slot.tokens)
-            beyond.append(slot)
-        return beyond
-
-    @staticmethod
-    def empty(slot: Slot) -> None:
         slot.tokens = []
         slot.session = None
+        return slot
