@@ -136,7 +136,6 @@ class LlamaCppEngine:
             tuner=ThreadTuner(self.threads, all_threads()) if tuned else None,
             make_mask=lambda n, grammar: _GrammarMask(self._lib, n, grammar),
             on_finish=self._finished,
-            bound_idle_kv=not self.flash_attention,
         )
 
     @property
@@ -279,7 +278,6 @@ class LlamaCppEngine:
             "steps": batcher.steps,
             "mean_batch": round(batcher.batched_sequences / batcher.steps, 2) if batcher.steps else 0.0,
             "preempted": batcher.preempted,
-            "idle_kv_dropped": batcher.idle_kv_dropped,
             "worker_faults": batcher.faults,
             "worker_restarts": batcher.restarts,
             "weights_version": self.weights_version,
