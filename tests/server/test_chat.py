@@ -109,15 +109,23 @@ async def test_streaming_n_two_gives_each_choice_its_own_tokens(
 
 
 async def test_completion_streams_carry_token_ids(http: httpx.AsyncClient) -> None:
+    """The chunks' token IDs are the tokens the turn sampled, as its tape records them, and they spell
+    the streamed text (compared with the same turn's record, not with a second generation: on the
+    shipped 4-bit weights a rerun beside other cached KV may round to another greedy token)."""
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True}
     streamed: list[int] = []
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    text = ""
+    async with http.stream("POST", "/sessions/cs/v1/completions", json=body) as response:
         lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     for line in lines[:-1]:
-        streamed += httpx.Response(200, content=line[6:]).json()["choices"][0]["token_ids"]
-    whole = (await http.post("/v1/completions", json={**body, "stream": False})).json()
-    assert streamed == whole["choices"][0]["token_ids"]
+        choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
+        streamed += choice["token_ids"]
+        text += choice["text"]
+    assert streamed
+    (branch,) = (await _export(http, "cs"))["branches"]
+    assert streamed == [t for t, o in zip(branch["tokens"], branch["origins"], strict=True) if o == "sampled"]
+    assert (await http.post("/detokenize", json={"tokens": streamed})).json()["prompt"] == text
 
 
 async def test_max_completion_tokens_caps_the_reply(sdk: openai.AsyncOpenAI) -> None:
