@@ -18,6 +18,7 @@ which is reused only under the same version (unless the update asked to keep the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -36,7 +37,6 @@ from tokentape.engines.base import Constraint, SampledToken, logprob_mode
 from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
 from tokentape.engines.gbnf import check_grammar, schema_grammar
 from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
-from tokentape.engines.handoff import WHOLE_ANSWER_CHUNK, Handoff
 from tokentape.engines.sampler import LogitShaper
 from tokentape.engines.threads import ThreadTuner
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
@@ -175,8 +175,14 @@ class LlamaCppEngine:
             field, token = outside
             raise InvalidRequest(f"{field} names token {token}, outside the vocabulary", param=field)
         grammar = self.grammar_text(constraint) if constraint is not None else None
-        handoff = Handoff(asyncio.get_running_loop(), chunk=WHOLE_ANSWER_CHUNK if whole else 1)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
         cancel = threading.Event()
+
+        def emit(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
         room = self.context_length - len(prompt)
         generation = Generation(
             tokens=list(prompt),
@@ -185,7 +191,7 @@ class LlamaCppEngine:
             session=session_id,
             grammar=grammar,
             cancel=cancel,
-            emit=handoff.put,
+            emit=emit,
             stop_ids=self._end_of_turn | frozenset(params.stop_token_ids),
             limit=room if params.max_tokens is None else min(params.max_tokens, room),
             mode=logprob_mode(params, scaled=True),  # the sampler records logits / temperature, untruncated
@@ -198,23 +204,21 @@ class LlamaCppEngine:
             while True:
                 try:
                     async with asyncio.timeout(_WORKER_CHECK_SECONDS):
-                        items = await handoff.queue.get()
+                        item = await queue.get()
                 except TimeoutError:
                     self._batcher.ensure_alive()  # a revived worker fails what the dead one held
                     continue
-                for item in items:
-                    if item is DONE:
-                        return
-                    if isinstance(item, InvalidRequest):
-                        raise item
-                    if isinstance(item, BaseException):
-                        raise EngineFailure(f"the embedded engine failed: {item}") from item
-                    assert isinstance(item, SampledToken)
-                    # counted as it is handed over, as the remote engines count: a token the worker
-                    # sampled while this generation was being closed reaches nobody, so no tape is one
-                    # short of it
-                    self.tokens_generated += 1
-                    yield item
+                if item is DONE:
+                    break
+                if isinstance(item, InvalidRequest):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineFailure(f"the embedded engine failed: {item}") from item
+                assert isinstance(item, SampledToken)
+                # counted as it is handed over, as the remote engines count: a token the worker sampled
+                # while this generation was being closed reaches nobody, so no tape is one short of it
+                self.tokens_generated += 1
+                yield item
         finally:
             cancel.set()  # the worker drops it before its next step
 
