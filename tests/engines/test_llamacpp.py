@@ -191,7 +191,7 @@ async def test_generations_say_their_logprobs_are_temperature_scaled(engine: Lla
 def test_flash_attention_is_on_by_default_and_off_for_an_f32_cache(
     engine: LlamaCppEngine, f32_model_path: Path
 ) -> None:
-    """On, the KV that idle slots keep costs other generations nothing; an F32 cache (a trainer's
+    """On, the KV that idle slots keep costs other generations little; an F32 cache (a trainer's
     exact logprobs) keeps the plain path unless told otherwise."""
     assert engine.describe()["flash_attention"] is True
     for settings, expected in [

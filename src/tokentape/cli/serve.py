@@ -66,7 +66,7 @@ def serve(
         str,
         typer.Option(
             help="The embedded engine's flash attention (auto, on, off). auto: on, so that the KV kept for "
-            "sessions' next turns costs other generations nothing; an F32 KV cache keeps it off."
+            "sessions' next turns costs other generations little; an F32 KV cache keeps it off."
         ),
     ] = "auto",
     rewrite_policy: Annotated[
