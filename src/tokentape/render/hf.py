@@ -65,7 +65,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         # the batch route without offsets: the same IDs, a third less time (0.9 against 1.35 ms for a
-        # 1k-token tool output, the bulk of a long agent call's own work)
+        # 1k-token tool output; 27 against 31-33 ms for a 19k-token transcript's opening call)
         ids: list[int] = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return ids
 
