@@ -83,8 +83,9 @@ class ChatTemplate:
         kwargs: dict[str, Any],
     ) -> str:
         """What render_jinja_template renders for inputs made of JSON's own types, without its deep copy
-        of them (two thirds of a short render's time: a bridge renders twice a call). The copy rebuilds
-        what the template sees out of plain types; these already are, and the sandbox is immutable."""
+        of them: the copy rebuilds what the template sees out of plain types, which these already are
+        (and the sandbox is immutable). A bridge renders twice a call; with four tools a render takes
+        61 instead of 79 us, the check that the inputs are JSON's own types included."""
         compiled = _compile_jinja_template(self.source)  # transformers' cached compile: one environment
         text: str = compiled.render(
             messages=_alias_reasoning_fields(conversation),
