@@ -105,7 +105,14 @@ def image_digests(messages: Iterable[Message]) -> list[str]:
 
 
 def has_images(messages: Iterable[Message]) -> bool:
-    return any(True for message in messages for _ in _image_parts(message))
+    # a plain loop: this runs over the whole history twice a call, and most contents are strings
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, Mapping) and part.get("type") == IMAGE_PART for part in content
+        ):
+            return True
+    return False
 
 
 def masked_images(message: Message) -> Message:

@@ -109,12 +109,22 @@ def _renders_directly(conversation: list[dict[str, Any]], tools: list[Any] | Non
     )
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _is_json(value: Any) -> bool:
+    # loops, not all() over generators: this walks every message and tool twice a bridge
     kind = type(value)
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
+    if kind in _SCALARS:
         return True
     if kind is dict:
-        return all(type(key) is str and _is_json(item) for key, item in value.items())
+        for key, item in value.items():
+            if type(key) is not str or (type(item) not in _SCALARS and not _is_json(item)):
+                return False
+        return True
     if kind is list:
-        return all(_is_json(item) for item in value)
+        for item in value:  # noqa: SIM110
+            if type(item) not in _SCALARS and not _is_json(item):
+                return False
+        return True
     return False
