@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import pydantic
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tokentape.core.reply import ToolFormat
 from tokentape.errors import InvalidRequest, NotFound, TokentapeError
@@ -140,7 +141,7 @@ class Serving:
                 choices = await _until_done_or_gone(request, events)
                 return json_response(dialect.respond(req, call, started, choices), headers=headers)
             body = _framed(dialect, dialect.stream(req, call, started, events), events)
-            return StreamingResponse(body, media_type=dialect.media_type, headers=headers)
+            return EventStream(body, media_type=dialect.media_type, headers=headers)
 
         return handle
 
@@ -220,6 +221,37 @@ async def _framed(
     finally:
         await events.aclose()
     yield dialect.stream_end
+
+
+class EventStream(StreamingResponse):
+    """A generation's stream, which stops when the client goes. Starlette's own watches for that in
+    an anyio task group, whose set-up and cancellation (it formats the task's repr) cost about 70 us
+    a response; this watches as `_until_done_or_gone` does: one task that cancels the stream."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            streaming.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not left:
+                raise
+        finally:
+            watcher.cancel()  # nothing suspends between the last chunk and here
+            if isinstance(self.body_iterator, AsyncGenerator):
+                await self.body_iterator.aclose()  # where a cancellation left it waiting on `send`
+        if left:  # the client left: nobody reads the rest; the generation was closed above
+            streaming.uncancel()
 
 
 async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
