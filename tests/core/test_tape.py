@@ -139,3 +139,24 @@ def test_a_node_rejects_logprobs_that_do_not_match_its_tokens() -> None:
     else:
         raise AssertionError("a sampled token without a logprob was accepted")
     assert tree.nodes == []
+
+
+@given(st.lists(st.sampled_from([-0.5, -1e-9, 0.0, -math.inf, math.inf, math.nan, -3.25]), min_size=1, max_size=12))
+def test_a_node_rejects_logprobs_that_are_not_numbers_and_only_those(logprobs: list[float]) -> None:
+    tree = SessionTree("s")
+    turn = NewTurn(None, 0, (1, 2), Origin.PROMPT, None)
+    nan = any(value != value for value in logprobs)  # NaN is the one value unequal to itself
+    try:
+        tree.attach(
+            turn,
+            sampled=list(range(10, 10 + len(logprobs))),
+            logprobs=logprobs,
+            finish_reason="stop",
+            prompt_chain=EMPTY_CHAIN,
+            prompt_length=0,
+            reply={},
+        )
+    except ValueError as exc:
+        assert nan and "numbers" in str(exc)
+    else:
+        assert not nan, "a NaN logprob was accepted"

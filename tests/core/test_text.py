@@ -18,6 +18,14 @@ def test_utf8_split_across_tokens_is_reassembled(text: str, cuts: list[int]) -> 
     assert out == text
 
 
+@given(st.lists(st.sampled_from([b"a", b" x", b"\n", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xff"]), max_size=12))
+def test_any_bytes_in_any_pieces_decode_as_the_whole_does(pieces: list[bytes]) -> None:
+    # ASCII pieces beside held-back lead bytes and invalid ones: the incremental text is the one-shot decode
+    assembler = TextAssembler()
+    out = "".join(assembler.feed(piece) for piece in pieces) + assembler.finish()
+    assert out == b"".join(pieces).decode("utf-8", errors="replace")
+
+
 def test_a_character_cut_by_truncation_becomes_one_replacement_character() -> None:
     assembler = TextAssembler()
     emitted = assembler.feed("ok é".encode()[:-1])

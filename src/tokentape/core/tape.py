@@ -134,7 +134,8 @@ class TurnNode:
     ) -> None:
         if len(sampled) != len(logprobs):
             raise ValueError("every sampled token needs exactly one logprob")
-        if any(math.isnan(lp) for lp in logprobs):
+        # a sum in C is NaN if any logprob is (or where +inf meets -inf: then looked at one by one)
+        if (total := sum(logprobs)) != total and any(math.isnan(lp) for lp in logprobs):
             raise ValueError("sampled logprobs must be numbers")
         self.id = id
         self.parent = parent

@@ -15,6 +15,10 @@ class TextAssembler:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, piece: bytes) -> str:
+        # most tokens are ASCII: with nothing held back they are their own text, without the
+        # decoder's Python-level buffering (a token's share of a long answer's cost)
+        if not self._decoder.buffer and piece.isascii():
+            return piece.decode("ascii")
         return self._decoder.decode(piece)
 
     def finish(self) -> str:

@@ -187,11 +187,13 @@ class ChoiceRun:
         if end > self._span_start:
             if not self.spans:
                 self.label = pin.label
-            start = self._span_start
-            for i in range(start, end + 1):  # one span per run of tokens under one version
-                if i == end or self._version_of(i, pin) != self._version_of(start, pin):
-                    add_span(self.spans, self._version_of(start, pin), start, i, self._kv_from)
-                    start = i
+            start, version = self._span_start, self._version_of(self._span_start, pin)
+            for i in range(start + 1, end):  # one span per run of tokens under one version
+                own = self.tokens[i].version
+                if (pin.version if own is None else own) != version:
+                    add_span(self.spans, version, start, i, self._kv_from)
+                    start, version = i, self._version_of(i, pin)
+            add_span(self.spans, version, start, end, self._kv_from)
         elif not self.spans:
             self.label = pin.label  # nothing sampled yet: the latest dispatch's
         self._span_start = end

@@ -148,7 +148,7 @@ class VLLMEngine(UpdatableRemote):
             body["structured_outputs"] = _vllm_structured_outputs(constraint)
         return body
 
-    async def generate(
+    def generate(
         self,
         prompt: Sequence[int],
         params: SamplingParams,
@@ -159,12 +159,13 @@ class VLLMEngine(UpdatableRemote):
         whole: bool = False,
         images: Sequence[PromptImage] = (),
     ) -> AsyncGenerator[SampledToken, None]:
+        # the generator that reads the answer itself, not one more that passes each token on: a
+        # request the engine cannot take is refused here, before anything is sent
         self._check_constraint(constraint)
         body = self._body(prompt, params, seed, constraint, whole)
-        stream = self._with_images(body, prompt, images, session_id, params) if images else None
-        async with contextlib.aclosing(stream or self._sampled(body, session_id, params)) as tokens:
-            async for token in tokens:
-                yield token
+        if images:
+            return self._with_images(body, prompt, images, session_id, params)
+        return self._sampled(body, session_id, params)
 
     async def _sampled(
         self, body: dict[str, Any], session_id: str | None, params: SamplingParams
