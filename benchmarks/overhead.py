@@ -164,11 +164,11 @@ def process(
 
 
 def scripted_engine(
-    port: int, tokenizer: Path | None, log: Path
+    port: int, tokenizer: Path | None, log: Path, *options: str
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """The scripted vLLM-format engine on `port`, answering in `tokenizer`'s vocabulary (SmolLM2's if None)."""
     vocabulary = ["--tokenizer", str(tokenizer)] if tokenizer else []
-    command = [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(port), *vocabulary]
+    command = [sys.executable, str(HERE / "scripted_vllm.py"), "--port", str(port), *vocabulary, *options]
     return process(command, f"http://127.0.0.1:{port}/health", log)
 
 

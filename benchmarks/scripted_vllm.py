@@ -39,6 +39,7 @@ END_OF_TURN = 2  # SmolLM2's <|im_end|>: the gateway under test renders with the
 WORDS = [(1032, " the"), (1607, " model"), (7468, " answers"), (314, " a"), (1745, " long"), (2024, " history")]
 CONTEXT = 131_072
 TOOL_CALL_MAX_TOKENS = 48  # the marker: answer with a tool call
+REPLY_CAP = 16  # the most tokens a text reply has (--reply-cap), its end of turn included
 TOOL_CALL = {"name": "bash", "arguments": {"command": "grep -rn 'def parse' src/ | head -20"}}
 TOOL_CALL_TOKENS: list[tuple[int, str, float]] = []  # the call as Hermes text, in the vocabulary (--tokenizer)
 
@@ -48,7 +49,7 @@ def _script(max_tokens: int) -> tuple[list[tuple[int, str, float]], str]:
     tool call, when `max_tokens` asks for it and a vocabulary has it."""
     if max_tokens == TOOL_CALL_MAX_TOKENS and TOOL_CALL_TOKENS:
         return [*TOOL_CALL_TOKENS, (END_OF_TURN, "", -0.05)], "stop"
-    words = max(0, min(max_tokens, 16) - 1)
+    words = max(0, min(max_tokens, REPLY_CAP) - 1)
     tokens = [(*WORDS[i % len(WORDS)], -0.25 - 0.01 * i) for i in range(words)]
     if max_tokens > words:
         return [*tokens, (END_OF_TURN, "", -0.05)], "stop"
@@ -236,7 +237,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokenizer", help="a Hugging Face model directory whose vocabulary to answer in")
+    parser.add_argument("--reply-cap", type=int, default=REPLY_CAP, help="the most tokens a text reply has")
     args = parser.parse_args()
+    REPLY_CAP = args.reply_cap
     if args.tokenizer:
         use_vocabulary(args.tokenizer)
     # idle keep-alive connections stay open for the whole run, so no gateway's pool races a server-side close
