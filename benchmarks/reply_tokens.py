@@ -98,13 +98,13 @@ async def main(args: argparse.Namespace) -> None:
         async with httpx2.AsyncClient(timeout=120) as http:
             for name, (base, pid) in targets.items():  # warm up: imports, connections, first sessions
                 for tokens, stream in shapes:
-                    await cell(http, base, pid, f"warm-{name}-{tokens}-{stream}", tokens, stream, 3)
+                    await cell(http, base, pid, f"warm-{name.replace('@', '-')}-{tokens}-{stream}", tokens, stream, 3)
             for round_ in range(args.rounds):
                 order = list(targets) if round_ % 2 == 0 else list(reversed(targets))
                 for name in order:
                     base, pid = targets[name]
                     for tokens, stream in shapes:
-                        tag = f"r{round_}-{name}-{tokens}-{stream}"
+                        tag = f"r{round_}-{name.replace('@', '-')}-{tokens}-{stream}"
                         cpu.setdefault((name, tokens, stream), []).append(
                             await cell(http, base, pid, tag, tokens, stream, args.calls)
                         )
