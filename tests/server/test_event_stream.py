@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import pytest
+from starlette.background import BackgroundTask
 
 from tokentape.server.serving import EventStream
 
@@ -89,3 +90,10 @@ async def test_a_cancellation_that_is_no_disconnect_goes_on_up() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert source.closed
+
+
+async def test_a_background_task_runs_after_the_stream_as_starlettes_does() -> None:
+    client, source, ran = Client(), Source(2), []
+    stream = EventStream(source.chunks(), background=BackgroundTask(lambda: ran.append(len(client.sent))))
+    await stream(SCOPE, client.receive, client.send)
+    assert ran == [4]  # the start, two chunks and the end were sent first

@@ -247,11 +247,13 @@ class EventStream(StreamingResponse):
             if not left:
                 raise
         finally:
-            watcher.cancel()  # nothing suspends between the last chunk and here
+            watcher.cancel()  # before anything below suspends: the watcher cannot cancel it any more
             if isinstance(self.body_iterator, AsyncGenerator):
                 await self.body_iterator.aclose()  # where a cancellation left it waiting on `send`
         if left:  # the client left: nobody reads the rest; the generation was closed above
             streaming.uncancel()
+        if self.background is not None:
+            await self.background()
 
 
 async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
