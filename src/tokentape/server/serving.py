@@ -226,63 +226,51 @@ async def _framed(
 class EventStream(StreamingResponse):
     """A generation's stream, which stops when the client goes. Starlette's own watches for that in
     an anyio task group, whose set-up and cancellation (it formats the task's repr) cost about 70 us
-    a response; this watches as `_until_done_or_gone` does: one task that cancels the stream."""
+    a response; this watches as whole answers do (`_until_gone`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.current_task()
-        assert streaming is not None
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            streaming.cancel()
-
-        watcher = asyncio.create_task(watch())
         try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not left:
-                raise
-        finally:
-            watcher.cancel()  # before anything below suspends: the watcher cannot cancel it any more
+            async with _until_gone(receive):
+                await self.stream_response(send)
+        finally:  # the watcher is gone by now: nothing cancels this
             if isinstance(self.body_iterator, AsyncGenerator):
                 await self.body_iterator.aclose()  # where a cancellation left it waiting on `send`
-        if left:  # the client left: nobody reads the rest; the generation was closed above
-            streaming.uncancel()
         if self.background is not None:
             await self.background()
 
 
 async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
     """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
-    recorded as aborted with what was sampled). The events are read in this task; a watcher task
-    cancels it on a disconnect."""
-    collecting = asyncio.current_task()
-    assert collecting is not None
+    recorded as aborted with what was sampled, and nobody reads the answer: none is returned)."""
+    choices: list[ChoiceDone] = []
+    async with _until_gone(request.receive), contextlib.aclosing(events) as stream:
+        choices = [event async for event in stream if isinstance(event, ChoiceDone)]
+    return choices
+
+
+@contextlib.asynccontextmanager
+async def _until_gone(receive: Receive) -> AsyncIterator[None]:
+    """Runs the block in this task; a watcher task cancels it if the client disconnects first, and
+    that cancellation ends here. Any other cancellation goes on up."""
+    task = asyncio.current_task()
+    assert task is not None
     left = False
 
     async def watch() -> None:
         nonlocal left
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         left = True
-        collecting.cancel()
+        task.cancel()
 
     watcher = asyncio.create_task(watch())
     try:
-        async with contextlib.aclosing(events) as stream:
-            choices = [event async for event in stream if isinstance(event, ChoiceDone)]
+        yield
     except asyncio.CancelledError:
-        if left:  # the client left: nobody reads the answer; the generation was closed above
-            collecting.uncancel()
-            return []
-        raise
+        if not left:
+            raise
     finally:
-        # nothing suspends between the last event and here, so the watcher cannot cancel afterwards
+        # nothing suspends between the block's end and here, so the watcher cannot cancel afterwards
         watcher.cancel()
-    if left:  # a cancellation that some step below took as its own: take the request back
-        collecting.uncancel()
-    return choices
+    if left:  # the client left (or a step below took its cancellation as its own): take the task back
+        task.uncancel()
