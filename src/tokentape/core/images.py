@@ -91,11 +91,15 @@ def runs_from_json(saved: Iterable[Sequence[Any]] | None) -> tuple[ImageRun, ...
     return tuple(ImageRun(str(d), int(s), int(n), (int(t), int(h), int(w))) for d, s, n, t, h, w in saved or ())
 
 
+def _is_image(part: object) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == IMAGE_PART
+
+
 def _image_parts(message: Message) -> Iterable[Mapping[str, Any]]:
     content = message.get("content")
     if isinstance(content, list):
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == IMAGE_PART:
+            if _is_image(part):
                 yield part
 
 
@@ -108,9 +112,7 @@ def has_images(messages: Iterable[Message]) -> bool:
     # a plain loop: this runs over the whole history twice a call, and most contents are strings
     for message in messages:
         content = message.get("content")
-        if isinstance(content, list) and any(
-            isinstance(part, Mapping) and part.get("type") == IMAGE_PART for part in content
-        ):
+        if isinstance(content, list) and any(_is_image(part) for part in content):
             return True
     return False
 
