@@ -189,10 +189,9 @@ class ChoiceRun:
                 self.label = pin.label
             start, version = self._span_start, self._version_of(self._span_start, pin)
             for i in range(start + 1, end):  # one span per run of tokens under one version
-                own = self.tokens[i].version
-                if (pin.version if own is None else own) != version:
+                if (own := self._version_of(i, pin)) != version:
                     add_span(self.spans, version, start, i, self._kv_from)
-                    start, version = i, self._version_of(i, pin)
+                    start, version = i, own
             add_span(self.spans, version, start, end, self._kv_from)
         elif not self.spans:
             self.label = pin.label  # nothing sampled yet: the latest dispatch's
