@@ -57,6 +57,14 @@ class Source:
             self.closed = True
 
 
+async def streaming(client: Client, source: Source) -> asyncio.Task[None]:
+    """A stream of `source` to `client` under way: three chunks made."""
+    task = asyncio.create_task(EventStream(source.chunks())(SCOPE, client.receive, client.send))
+    while source.made < 3:
+        await asyncio.sleep(0.005)
+    return task
+
+
 async def test_a_client_that_stays_gets_every_chunk_and_the_end() -> None:
     client, source = Client(), Source(5)
     await EventStream(source.chunks(), media_type="text/event-stream", headers={"X-Session-ID": "s"})(
@@ -70,9 +78,7 @@ async def test_a_client_that_stays_gets_every_chunk_and_the_end() -> None:
 
 async def test_a_client_that_leaves_stops_the_stream_and_closes_its_source() -> None:
     client, source = Client(), Source(1000, pause=0.005)
-    task = asyncio.create_task(EventStream(source.chunks())(SCOPE, client.receive, client.send))
-    while source.made < 3:
-        await asyncio.sleep(0.005)
+    task = await streaming(client, source)
     client.leave()
     made = source.made
     await asyncio.wait_for(task, 5)  # returns, raising nothing
@@ -83,9 +89,7 @@ async def test_a_client_that_leaves_stops_the_stream_and_closes_its_source() -> 
 
 async def test_a_cancellation_that_is_no_disconnect_goes_on_up() -> None:
     client, source = Client(), Source(1000, pause=0.005)
-    task = asyncio.create_task(EventStream(source.chunks())(SCOPE, client.receive, client.send))
-    while source.made < 3:
-        await asyncio.sleep(0.005)
+    task = await streaming(client, source)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
