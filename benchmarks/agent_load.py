@@ -60,6 +60,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # the same harness: processes, the peer's virtualenv, CPU and RSS from /proc
     PEER_NAME,
+    _client,
     cpu_seconds,
     free_port,
     model_dir,
@@ -152,10 +153,6 @@ class Run:
 
     def quantile(self, q: int) -> float:
         return statistics.quantiles(self.latencies, n=100)[q - 1] * 1e3
-
-
-def _client(http: httpx2.AsyncClient, url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, http_client=http)
 
 
 async def _call(

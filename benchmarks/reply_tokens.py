@@ -32,6 +32,7 @@ import httpx2
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # the same harness: processes, the peer's virtualenv, CPU from /proc
     PEER_NAME,
+    _client,
     checkout,
     cpu_seconds,
     free_port,
@@ -50,8 +51,6 @@ async def cell(
     http: httpx2.AsyncClient, base: str, pid: int | None, tag: str, tokens: int, stream: bool, calls: int
 ) -> float:
     """Gateway CPU ms per call (0 for direct) over `calls` one-message sessions."""
-    from agent_load import _client
-
     before = cpu_seconds(pid) if pid else 0.0
     for i in range(calls):
         client = _client(http, base.format(session=f"{tag}-{i}"))
