@@ -6,9 +6,11 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.server.bodies import MAX_DEPTH
 
 GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 LONG_TEXT = "word " * 3000  # over the 1024-token context the test engine is given
@@ -20,6 +22,12 @@ def _with(**changes: Any) -> dict[str, Any]:
 
 
 _DROP = object()
+
+
+def _nested(lists: int) -> bytes:
+    """GOOD with a template kwarg that is `lists` arrays deep (the body two levels above them)."""
+    return orjson.dumps(GOOD)[:-1] + b',"chat_template_kwargs":{"x":' + b"[" * lists + b"]" * lists + b"}}"
+
 
 BAD_BODIES: list[tuple[str, bytes | dict[str, Any] | list[Any], int, str | None]] = [
     ("malformed json", b'{"model": "x", "messages": [', 400, None),
@@ -55,6 +63,9 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any] | list[Any], int, str | None]
     ("prompt longer than the context", _with(messages=[{"role": "user", "content": LONG_TEXT}]), 400, "messages"),
     ("max_tokens beyond the context", _with(max_tokens=5000), 400, "max_tokens"),
     ("unknown model", _with(model="gpt-4o"), 404, "model"),
+    # JSON that orjson parses (it goes to 1,024 levels) but that recursive steps could not walk
+    ("nested a thousand deep", _nested(1000), 400, None),
+    ("nested one level past the bound", _nested(MAX_DEPTH - 1), 400, None),
 ]
 
 
@@ -137,3 +148,26 @@ async def test_the_base_url_names_the_session_and_a_header_is_kept_as_the_trace_
     assert [s["session_id"] for s in (await http.get("/sessions")).json()["data"]] == ["a"]
     (branch,) = (await http.get("/sessions/a/export")).json()["branches"]
     assert branch["trace_ids"] == ["trace-7"]
+
+
+async def test_a_body_as_deep_as_the_bound_is_served(http: httpx.AsyncClient) -> None:
+    response = await http.post("/v1/chat/completions", content=_nested(MAX_DEPTH - 2))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("depth", [100, 900, 960, 1000, 5000])
+async def test_tool_call_arguments_of_any_depth_get_an_answer_not_a_server_error(
+    http: httpx.AsyncClient, depth: int
+) -> None:
+    # arguments are JSON text inside a string: the body's bound does not see them, the parsers must
+    arguments = "[" * depth + "]" * depth
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "a", "content": "ok"},
+    ]
+    response = await http.post("/v1/chat/completions", json={**GOOD, "messages": messages})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["type"] == "invalid_request_error"

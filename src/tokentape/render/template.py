@@ -72,6 +72,8 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"the messages could not be rendered: {exc}", param="messages") from exc
+        except RecursionError as exc:  # JSON nested about a thousand deep, which a request body may be
+            raise InvalidRequest("the request nests too deeply to render", param="messages") from exc
         text: str = result[0][0]
         return text
 

@@ -10,7 +10,12 @@ from starlette.requests import Request
 
 from tokentape.errors import InvalidRequest
 
-__all__ = ["json_object"]
+__all__ = ["MAX_DEPTH", "json_object"]
+
+# How deep a body may nest: far past any tool schema or content list, and short of where the steps
+# that walk a request recursively (digests, templates, transformers' renderer) would run out of stack
+# at about a thousand levels, which orjson still parses.
+MAX_DEPTH = 128
 
 
 async def json_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
@@ -25,4 +30,20 @@ async def json_object(request: Request, *, optional: bool = False) -> dict[str, 
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if _deeper_than(data, MAX_DEPTH):
+        raise InvalidRequest(f"the request body nests deeper than {MAX_DEPTH} levels")
     return data
+
+
+def _deeper_than(data: dict[str, Any], limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` deep (the body itself is level 1); a walk
+    with a stack of its own, so no depth can exhaust this one (about 20 us for a 70 KB agent body)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in value.values() if type(value) is dict else value:
+            if type(child) is dict or type(child) is list:
+                stack.append((child, depth + 1))
+    return False
