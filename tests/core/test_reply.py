@@ -122,3 +122,14 @@ def test_text_before_a_call_streams_without_its_trailing_white_space() -> None:
     _, content = _streamed(stream, list(text))
     assert content == "Checking."
     assert stream.parsed is not None and len(stream.parsed.tool_calls) == 1
+
+
+def test_a_sampled_tool_call_nested_past_the_parser_stays_text() -> None:
+    # a policy can sample JSON nested deeper than the parser goes: the reply is text, nothing raises
+    from tokentape.core.messages import json_or
+
+    deep = "[" * 5000 + "]" * 5000
+    assert json_or(deep, "fallback") == "fallback"
+    assert json_or('{"a": [1, 2]}', None) == {"a": [1, 2]}
+    assert json_or("not json", None) is None
+    assert json_or("[" * 50 + "]" * 50, None) is not None

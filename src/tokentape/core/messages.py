@@ -26,6 +26,7 @@ __all__ = [
     "chain_step",
     "flatten_text_parts",
     "hash_chain",
+    "json_or",
     "same_inputs",
     "template_inputs",
 ]
@@ -35,13 +36,17 @@ Message = Mapping[str, Any]
 EMPTY_CHAIN = b"\x00" * 16
 
 
+def json_or(text: str, fallback: Any) -> Any:
+    """`text` parsed as JSON, or `fallback` where it is none. Arguments and tool calls come from
+    agents and models: JSON nested deeper than the parser goes (RecursionError) is none either."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return fallback
+
+
 def _canonical_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments.strip()
-    return arguments
+    return json_or(arguments, arguments.strip()) if isinstance(arguments, str) else arguments
 
 
 def _canonical_text(content: Any) -> Any:

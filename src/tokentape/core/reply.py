@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tokentape.core.messages import json_or
+
 __all__ = [
     "ToolFormat",
     "ParsedReply",
@@ -84,10 +86,7 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
+    value = json_or(text, None)
     return value if isinstance(value, dict) else None
 
 
@@ -125,10 +124,7 @@ _QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOT
 
 
 def _loose_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return json_or(text, text)
 
 
 def _parse_qwen_xml(text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokentape.core.bridge import REPLY_SENTINEL, strip_sampled_stop, text_after_reply, turn_close_after
 from tokentape.core.images import has_images
-from tokentape.core.messages import Message, same_inputs, template_inputs
+from tokentape.core.messages import Message, json_or, same_inputs, template_inputs
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
 from tokentape.render.probe import AnchorVerdict, AnchorVerdicts, ProbeOptions, anchor
@@ -323,10 +323,7 @@ def _arguments_as(call: Mapping[str, Any], objects: bool) -> dict[str, Any]:
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if objects and isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            parsed = None
+        parsed = json_or(arguments, None)
         if isinstance(parsed, dict):
             function["arguments"] = parsed
     elif not objects and not isinstance(arguments, str):
@@ -372,10 +369,7 @@ def _as_object(arguments: Any) -> Any:
     """Arguments as the format's instructions show them: a JSON object, not JSON text inside a string
     (a model copies the longer, escaped form it sees in its history)."""
     if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
+        return json_or(arguments, arguments)
     return {} if arguments is None else arguments
 
 
