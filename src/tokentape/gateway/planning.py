@@ -14,6 +14,7 @@ from tokentape.core.images import ImageRun
 from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
 from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_images, path_tokens
+from tokentape.core.token_ids import PromptIds
 from tokentape.errors import InvalidRequest
 from tokentape.gateway import images
 from tokentape.gateway.calls import ChatCall
@@ -128,7 +129,7 @@ class Planner:
             recorded = tuple(path_images(node))
         turn = NewTurn(node, node.end, tuple(tokens), Origin.BRIDGE, rewrite, runs)
         mode = self._reply_mode(call, bridge.opens_reasoning)
-        prompt = node.path_array()
+        prompt = PromptIds(node.path_array())  # its JSON is written once, for the engine and the response
         prompt.extend(tokens)
         inputs = call.options.inputs()
         return Plan(turn, prompt, chains[-1], len(chains), mode, template_inputs=inputs, images=(*recorded, *runs))

@@ -13,6 +13,7 @@ import numpy
 import orjson
 
 from tokentape.core.sampling import SamplingParams
+from tokentape.core.token_ids import PromptIds
 from tokentape.errors import EngineProtocolError
 
 __all__ = [
@@ -110,8 +111,11 @@ def best_first(alternatives: list[tuple[int, float]], keep: int) -> tuple[tuple[
 
 
 def wire_ids(tokens: Sequence[int]) -> Any:
-    """Prompt token IDs as orjson writes them fastest. The tape hands over an int32 array; seen as a
-    numpy array it is written in C without one Python int per token (0.27 against 3.4 ms at 128k)."""
+    """Prompt token IDs as orjson writes them fastest: a prompt planned on the tape carries its JSON
+    text, written once for the engine and the response; another int32 array, seen as numpy, is
+    written in C without one Python int per token (0.27 against 3.4 ms at 128k)."""
+    if isinstance(tokens, PromptIds):
+        return tokens.json()
     if isinstance(tokens, array) and tokens.itemsize == 4 and tokens.typecode in "il":
         return numpy.frombuffer(tokens, dtype=numpy.int32)
     return list(tokens)

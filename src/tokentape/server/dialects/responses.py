@@ -267,7 +267,8 @@ class ResponseShaper:
         self.id = _new_id("resp")
         self.created = time.time()
         self.session_id = session_id
-        self.prompt = wire_ids(prompt)  # the tape's int32 array as numpy: orjson writes it in C
+        self.prompt = wire_ids(prompt)  # as orjson writes it fastest (the tape's IDs: their text, written once)
+        self.prompt_tokens = len(prompt)
         self.prompt_field = {"prompt_token_ids": self.prompt} if show_prompt else {}
         self.tokens = tokens
         self._top = (req.top_logprobs or 0) if req.wants_logprobs else None  # None: no logprobs asked
@@ -364,11 +365,11 @@ class ResponseShaper:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         body["completed_at"] = None if incomplete else time.time()
         body["usage"] = {
-            "input_tokens": len(self.prompt),
+            "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": len(done.tokens),
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": len(self.prompt) + len(done.tokens),
+            "total_tokens": self.prompt_tokens + len(done.tokens),
         }
         body["token_ids"] = [t.token_id for t in done.tokens]
         if self._top is not None:  # every sampled token, tool-call text included
