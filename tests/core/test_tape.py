@@ -113,7 +113,7 @@ def test_every_recorded_token_is_in_some_branch(grown: tuple[SessionTree, list[t
 def test_export_lists_one_branch_per_branch_end(grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]]) -> None:
     tree, _ = grown
     exported = export_session(tree)
-    ends = [n for n in tree.nodes if not any(c.keep == n.end for c in n.children)]
+    ends = [n for n in tree.nodes if not any(m.parent is n and m.keep == n.end for m in tree.nodes)]
     assert [b["branch_id"] for b in exported["branches"]] == [end.id for end in ends]
     for branch in exported["branches"]:
         assert set(branch["origins"]) <= {"prompt", "sampled", "bridge"}

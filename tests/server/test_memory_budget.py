@@ -5,6 +5,7 @@ Retry-After instead of the process growing. A scripted engine answers, so sizes 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.core.session import BYTES_PER_TOKEN
+from tokentape.core.tape import TurnNode
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import REPLAY_RECORD_BYTES, UNNAMED_RECORD_BYTES, MemoryLimits, SessionRegistry
@@ -85,6 +87,37 @@ async def test_a_finished_session_leaves_memory_once_written(
     export = (await http.get("/sessions/done/export")).json()  # served from the store
     assert export["summary"]["finished"] is True and export["summary"]["metadata"] == {"task": "t1"}
     assert len(export["branches"]) == 1
+
+
+def _turn_nodes() -> int:
+    return sum(isinstance(o, TurnNode) for o in gc.get_objects())
+
+
+async def test_a_finished_sessions_turns_are_freed_at_once_not_by_the_cycle_collector(
+    small: tuple[Gateway, SessionRegistry, httpx.AsyncClient],
+) -> None:
+    """A serving process runs the cycle collector rarely (`server.heap`): turns kept alive by a
+    reference cycle would pile up, tokens and all, long after their sessions left memory."""
+    _, registry, http = small
+    history = _turn("Hello there")["messages"]
+    later = [*history, {"role": "assistant", "content": "Fine, thanks."}, {"role": "user", "content": "More?"}]
+    for messages in (history, later, later, history):  # a branch beside the first path, and a sibling
+        answer = await http.post("/sessions/done/v1/chat/completions", json={**_turn(""), "messages": messages})
+        assert answer.status_code == 200, answer.text
+    session = registry.in_memory("done")
+    assert session is not None
+    turns = len(session.tree.nodes)
+    assert turns >= 3 and len(session.tree.leaves) >= 2
+    del session
+    gc.collect()
+    gc.disable()
+    try:
+        before = _turn_nodes()
+        assert (await http.post("/sessions/done/finish", json={})).status_code == 200
+        assert registry.in_memory("done") is None
+        assert _turn_nodes() == before - turns
+    finally:
+        gc.enable()
 
 
 async def test_when_running_sessions_hold_the_budget_new_work_waits(

@@ -105,7 +105,8 @@ class SessionTree:
     def leaves(self) -> list[TurnNode]:
         """Nodes where a branch ends: no child continues after their last token. A node whose
         children all fork inside it still ends a branch, so none of its tokens drop out of the export."""
-        return [node for node in self.nodes if all(child.keep < node.end for child in node.children)]
+        continued = {id(node.parent) for node in self.nodes if node.parent is not None and node.keep >= node.parent.end}
+        return [node for node in self.nodes if id(node) not in continued]
 
     def branches(self) -> list[BranchView]:
         return [BranchView.of(leaf) for leaf in self.leaves]
@@ -224,8 +225,6 @@ class SessionTree:
         """Add a node built elsewhere (attach, or a store reloading a session): index it."""
         if node.id != len(self.nodes):
             raise ValueError(f"turn {node.id} restored out of order (expected {len(self.nodes)})")
-        if node.parent is not None:
-            node.parent.children.append(node)
         self.nodes.append(node)
         self._by_chain.setdefault(node.chain, node)
         self._by_prompt_chain.setdefault(node.prompt_chain, node)

@@ -4,9 +4,10 @@ A turn node holds the tokens the gateway put in front of one generation (`contex
 or the bridge after the parent's sampled tokens) and the tokens the engine sampled. A node continues
 its parent's path after `keep` tokens: normally the parent's whole path, fewer when a rewrite forked
 the path at a token inside it. A branch is the path from a root to a leaf; it is one training sample.
-A node's tokens, logprobs and reply are fixed when it is attached; what changes afterwards is its
-`children` list, which grows as later turns attach below it, and the buffer its tokens live in, which
-a child may extend after them.
+A node's tokens, logprobs and reply are fixed when it is attached; what changes afterwards is the
+buffer its tokens live in, which a child may extend after them. Links go from child to parent only:
+a tree holds no reference cycle, so a session's tokens leave memory as soon as the session does,
+without waiting for the cycle collector, which a serving process runs rarely.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ class TurnNode:
         "_logprobs",
         "_sampled_length",
         "chain",
-        "children",
         "constrained",
         "context_origin",
         "depth",
@@ -168,7 +168,6 @@ class TurnNode:
         self.shape_chain = shape_chain
         # temperature, top_p, top_k, min_p as the request set them (None: recorded before they were)
         self.sampling = sampling
-        self.children: list[TurnNode] = []
         self._context_length = len(context)
         self._sampled_length = len(sampled)
         self._logprobs = _compact_floats(logprobs)
