@@ -6,7 +6,9 @@ template and tokenizer, pydantic's schemas, the sessions reloaded at start) and,
 requests' objects young enough to reach the older generations: with the default thresholds a
 full collection came every ~850 requests at 64 concurrent sessions and took 15-200 ms each, with
 the event loop stopped. The request path makes no reference cycles (the collections of a run of
-chat turns free nothing), so the collector has little to do but walk:
+chat turns free nothing), and neither do session trees (turns link to their parent only), so what
+a request or a finished session held goes back by reference counting and the collector has little
+to do but walk:
 
 - what the process holds once it serves is frozen (`gc.freeze`): never walked again; reference
   counting still frees it when it goes;
