@@ -34,13 +34,9 @@ class PromptIds(_IntArray):
 
     def json(self) -> orjson.Fragment:
         """The IDs as a JSON array, to embed in a body `orjson` writes."""
-        try:
-            count, text = self._json
-        except AttributeError:
-            count, text = -1, orjson.Fragment(b"[]")
-        if count != len(self):
+        made: tuple[int, orjson.Fragment] | None = getattr(self, "_json", None)
+        if made is None or made[0] != len(self):
             # seen as numpy, orjson writes the IDs in C without one Python int each
             ids = numpy.frombuffer(self, dtype=numpy.int32)
-            text = orjson.Fragment(orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY))
-            self._json = (len(self), text)
-        return text
+            made = self._json = (len(self), orjson.Fragment(orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)))
+        return made[1]
