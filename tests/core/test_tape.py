@@ -121,6 +121,21 @@ def test_export_lists_one_branch_per_branch_end(grown: tuple[SessionTree, list[t
         assert sum(branch["loss_mask"]) == sum(end - start for start, end in branch["action_ranges"])
 
 
+@given(grown_trees())
+@settings(max_examples=300, deadline=None)
+def test_a_path_buffer_starts_with_its_path_once_the_tree_has_grown(
+    grown: tuple[SessionTree, list[tuple[TurnNode, list[int]]]],
+) -> None:
+    """What a prompt's JSON text is reused for (`token_ids.PathTextSlot`): a node's buffer, where it
+    has one, begins with the node's path, and still does after every later turn."""
+    _, prompts = grown
+    for node, prompt in prompts:
+        buffer = node.path_buffer()
+        if buffer is not None:
+            assert buffer[: node.end].tolist() == prompt + drawn[node][0]
+    assert any(node.path_buffer() is not None for node, _ in prompts)
+
+
 def test_a_node_rejects_logprobs_that_do_not_match_its_tokens() -> None:
     tree = SessionTree("s")
     turn = NewTurn(None, 0, (1, 2), Origin.PROMPT, None)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import pickle
 from array import array
+from typing import Any
 
 import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokentape.core.token_ids import PromptIds
+from tokentape.core.session import SessionTree
+from tokentape.core.token_ids import PathTextSlot, PromptIds
 from tokentape.engines.remote.wire import wire_ids
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -57,3 +59,77 @@ def test_they_travel_as_ids() -> None:
     back = pickle.loads(pickle.dumps(ids))
     assert type(back) is PromptIds and list(back) == [1, 2, 3]
     assert _written(back.json()) == [1, 2, 3]
+
+
+# -- a session's prompts on one path: each written from the previous one's text ----------------------
+def _grown(buffer: array[int], more: list[int]) -> array[int]:
+    buffer.extend(more)
+    return buffer
+
+
+@given(st.lists(st.tuples(st.lists(INT32, max_size=40), st.lists(INT32, max_size=20), st.integers(0, 3)), max_size=8))
+def test_prompts_on_a_growing_buffer_are_written_true(steps: list[tuple[list[int], list[int], int]]) -> None:
+    """Each step: the tape grows by `turn` (a reply and what bridged to it), then a prompt is that path
+    up to some point, plus new tokens; now and then the path is held by another buffer (a branch)."""
+    slot = PathTextSlot()
+    buffers = [array("i"), array("i")]
+    for turn, new, which in steps:
+        buffer = _grown(buffers[which % 2], turn)
+        count = len(buffer) - (which // 2) * min(len(buffer), 3)  # sometimes an earlier point of the path
+        prompt = PromptIds(buffer[:count])
+        prompt.extend(new)
+        prompt.on_path(slot, buffer, count)
+        assert _written(prompt.json()) == [*buffer[:count], *new]
+        assert slot.entry is not None and slot.entry.count == count
+        assert json.loads(slot.entry.text[: slot.entry.cut] + b"]") == list(buffer[:count])
+
+
+def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    slot = PathTextSlot()
+    buffer = array("i", range(10_000))
+    first = PromptIds(buffer).on_path(slot, buffer, len(buffer))
+    first.extend([1, 2, 3])  # the bridge, not yet on the tape
+    first.json()
+    buffer.extend([1, 2, 3, 40, 41])  # recorded: the bridge and the reply
+    sizes: list[int] = []
+    dumps = orjson.dumps
+
+    def counted(value: Any, **options: Any) -> bytes:
+        sizes.append(len(value))
+        return dumps(value, **options)
+
+    monkeypatch.setattr(orjson, "dumps", counted)
+    second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
+    second.extend([7, 8])
+    text = second.json()
+    assert sizes == [5, 2]  # what the tape gained since, then the new bridge
+    assert _written(text) == [*range(10_000), 1, 2, 3, 40, 41, 7, 8]
+
+
+def test_a_prompt_on_another_buffer_or_before_the_known_text_is_written_whole() -> None:
+    slot = PathTextSlot()
+    path = array("i", [1, 2, 3, 4])
+    PromptIds(path).on_path(slot, path, 4).json()
+    other = array("i", [1, 2, 9])
+    assert _written(PromptIds(other).on_path(slot, other, 3).json()) == [1, 2, 9]
+    PromptIds(path).on_path(slot, path, 4).json()
+    earlier = PromptIds(path[:2]).on_path(slot, path, 2)  # a branch off an earlier point of the same array
+    earlier.append(5)
+    assert _written(earlier.json()) == [1, 2, 5]
+
+
+def test_the_kept_text_counts_against_the_sessions_memory() -> None:
+    tree = SessionTree("s")
+    before = tree.held_bytes
+    path = array("i", range(1000))
+    PromptIds(path).on_path(tree.prompt_text, path, 1000).json()
+    assert tree.held_bytes - before == len(orjson.dumps(list(range(1000))))
+
+
+def test_a_prompt_on_a_path_travels_as_its_ids_alone() -> None:
+    slot = PathTextSlot()
+    path = array("i", [1, 2, 3])
+    ids = PromptIds(path).on_path(slot, path, 3)
+    ids.json()
+    back = pickle.loads(pickle.dumps(ids))
+    assert list(back) == [1, 2, 3] and getattr(back, "_path", None) is None

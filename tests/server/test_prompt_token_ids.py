@@ -122,3 +122,40 @@ async def test_a_return_token_ids_that_is_no_boolean_is_a_400_naming_it(
     assert "return_token_ids" in reply.text
     exported = await asked.get("/sessions/bad/export")
     assert exported.status_code == 404 or exported.json()["branches"] == []  # nothing was recorded
+
+
+class _Recording(ScriptedEngine):
+    """Remembers each prompt as the engine was handed it (IDs, not text)."""
+
+    def __init__(self, script: list[int], end_of_turn: int) -> None:
+        super().__init__(script, end_of_turn)
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt: Any, params: Any, **options: Any) -> Any:
+        self.prompts.append(list(prompt))
+        return super().generate(prompt, params, **options)
+
+
+async def test_each_later_prompts_text_is_its_ids_across_extensions_and_a_branch(renderer: Renderer) -> None:
+    """A later prompt's text is written from the session's previous one (`token_ids.PathTextSlot`):
+    along one path, then back on an earlier turn after the path grew past it, with new messages long
+    enough to outrun what the path gained since."""
+    end = renderer.tokenizer.encode("<|im_end|>")[0]
+    engine = _Recording(renderer.tokenizer.encode(" Red, green, blue."), end)
+    gateway = Gateway(engine, renderer, SessionRegistry())
+    app = create_app(gateway, model_id=MODEL_NAME, prompt_token_ids="always")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        history: list[dict[str, Any]] = []
+        shown: list[list[int]] = []
+        for user in ("Name three colours.", "And three more?", "Which is warmest?"):
+            history.append({"role": "user", "content": user})
+            body = {"model": MODEL_NAME, "messages": history, "max_tokens": 8}
+            answer = (await client.post("/sessions/p/v1/chat/completions", json=body)).json()
+            shown += _prompt_ids_anywhere(answer)
+            history.append(answer["choices"][0]["message"])
+        branch = [*history[:2], {"role": "user", "content": "Tell me about mauve. " * 40}]
+        body = {"model": MODEL_NAME, "messages": branch, "max_tokens": 8}
+        shown += _prompt_ids_anywhere((await client.post("/sessions/p/v1/chat/completions", json=body)).json())
+    await gateway.aclose()
+    assert shown == engine.prompts
+    assert len(shown[3]) > len(shown[2]) + 8  # it outran the path's tokens after the turn it branched from

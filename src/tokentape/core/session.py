@@ -27,6 +27,7 @@ from tokentape.core.tape import (
     path_images,
     path_tokens,
 )
+from tokentape.core.token_ids import PathTextSlot
 from tokentape.core.versions import PolicySpan
 from tokentape.errors import Conflict
 
@@ -99,6 +100,7 @@ class SessionTree:
         # every image the session's turns show, by digest: its facts only, the bytes are in the store
         self.images: dict[str, ImageFacts] = {}
         self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
+        self.prompt_text = PathTextSlot()  # the JSON of its latest prompt, which the next one starts with
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -123,8 +125,9 @@ class SessionTree:
     def held_bytes(self) -> int:
         """About what the session holds in memory: its tokens as measured (`benchmarks/memory.py`:
         13.9 bytes per recorded token, ids, logprobs, messages and indexes together) and its images'
-        facts; no image bytes, which the store holds and `store.images.ImageLibrary` reads back."""
-        return BYTES_PER_TOKEN * self.token_count + BYTES_PER_IMAGE * len(self.images)
+        facts, and the JSON text of its latest prompt where an engine was sent one (`PathTextSlot`);
+        no image bytes, which the store holds and `store.images.ImageLibrary` reads back."""
+        return BYTES_PER_TOKEN * self.token_count + BYTES_PER_IMAGE * len(self.images) + self.prompt_text.held_bytes
 
     def summary(self) -> dict[str, object]:
         return {

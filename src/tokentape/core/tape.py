@@ -215,6 +215,11 @@ class TurnNode:
         stop = self.end if limit is None else max(self.keep, min(limit, self.end))
         return self._buffer[self.keep - self._base : stop - self._base]
 
+    def path_buffer(self) -> array[int] | None:
+        """The int32 array whose first `end` IDs are this node's path, when one array holds the whole
+        path (it never branched inside a turn); None otherwise. Such arrays only grow."""
+        return self._buffer if self._base_node is None else None
+
     def path_array(self) -> array[int]:
         """The token IDs of the path from the root through this node, as one int32 array."""
         if self._base_node is None:

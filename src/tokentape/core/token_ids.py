@@ -1,19 +1,25 @@
-"""A prompt's token IDs with their JSON text written once.
+"""A prompt's token IDs with their JSON text written once, and on a session's path only in part.
 
 A prompt is written as JSON for the engine (once per choice) and, where the response shows it
 (`--prompt-token-ids always`, the default), once more for the client: the same IDs each time, which
-at 128k tokens of history cost about 0.6 ms a writing. `PromptIds` keeps the text of the first."""
+at 128k tokens of history cost about 0.5 ms a writing. `PromptIds` keeps the text of the first.
+
+A later call's prompt is the previous prompt, its reply, and a few new tokens. Each session keeps the
+text of its latest prompt (`PathText`), so the next one on the same path writes only the IDs after it.
+The text stands for the first IDs of a tape buffer (`TurnNode.path_buffer`), which only ever grows:
+what was written of it stays true, whichever turn extends it."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy
 import orjson
 
-__all__ = ["PromptIds"]
+__all__ = ["PathText", "PathTextSlot", "PromptIds"]
 
 if TYPE_CHECKING:
     _IntArray = array[int]
@@ -21,22 +27,84 @@ else:
     _IntArray = array  # not subscriptable at run time before Python 3.12
 
 
+@dataclass(frozen=True, slots=True)
+class PathText:
+    """A prompt's JSON text whose first `cut` bytes write `buffer[:count]` (an unclosed "[1,2,3")."""
+
+    buffer: array[int]
+    count: int
+    text: bytes
+    cut: int
+
+
+class PathTextSlot:
+    """Where a session keeps the text of its latest prompt on the tape (one, whatever its branches)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: PathText | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return len(self.entry.text) if self.entry is not None else 0
+
+    def write(self, ids: array[int], buffer: array[int], count: int) -> bytes:
+        """The JSON of `ids`, whose first `count` are `buffer[:count]`: the entry's text as far as it
+        goes, then the IDs after it. The result becomes the entry."""
+        view = numpy.frombuffer(ids, dtype=numpy.int32)
+        known = self.entry
+        parts: list[bytes | memoryview]
+        if known is not None and known.buffer is buffer and known.count <= count:
+            parts, written = [memoryview(known.text)[: known.cut]], known.count
+        else:
+            parts, written = [b"["], 0
+        written = _append(parts, view[written:count], written)
+        cut = sum(map(len, parts))
+        _append(parts, view[count:], written)
+        parts.append(b"]")
+        text = b"".join(parts)
+        self.entry = PathText(buffer, count, text, cut)
+        return text
+
+
+def _append(parts: list[bytes | memoryview], ids: numpy.ndarray, written: int) -> int:
+    """Add `ids` to an unclosed JSON array that holds `written` IDs; the count it then holds."""
+    if len(ids):
+        parts += [b",", _inner(ids)] if written else [_inner(ids)]
+    return written + len(ids)
+
+
+def _inner(ids: numpy.ndarray) -> memoryview:
+    """IDs as JSON without the brackets; written in C by orjson, without one Python int each."""
+    return memoryview(orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY))[1:-1]
+
+
 class PromptIds(_IntArray):
     """int32 token IDs (an `array('i')`) whose JSON text is made once, on first use. The IDs are not
     to be changed after that: the text is checked against their count, not their values."""
 
-    __slots__ = ("_json",)
+    __slots__ = ("_json", "_path")
     _json: tuple[int, orjson.Fragment]
+    _path: tuple[PathTextSlot, array[int], int]
 
     def __new__(cls, ids: Iterable[int] = ()) -> PromptIds:
         # another int32 array is copied whole, not token by token
         return super().__new__(cls, "i", ids)  # type: ignore[return-value]  # typeshed: array[int]
 
+    def on_path(self, slot: PathTextSlot, buffer: array[int], count: int) -> PromptIds:
+        """Mark the first `count` IDs as `buffer[:count]`: the text then comes from, and goes to, `slot`."""
+        self._path = (slot, buffer, count)
+        return self
+
     def json(self) -> orjson.Fragment:
         """The IDs as a JSON array, to embed in a body `orjson` writes."""
         made: tuple[int, orjson.Fragment] | None = getattr(self, "_json", None)
         if made is None or made[0] != len(self):
-            # seen as numpy, orjson writes the IDs in C without one Python int each
-            ids = numpy.frombuffer(self, dtype=numpy.int32)
-            made = self._json = (len(self), orjson.Fragment(orjson.dumps(ids, option=orjson.OPT_SERIALIZE_NUMPY)))
+            path: tuple[PathTextSlot, array[int], int] | None = getattr(self, "_path", None)
+            if path is not None and path[2] <= len(self):
+                text = path[0].write(self, path[1], path[2])
+            else:
+                text = orjson.dumps(numpy.frombuffer(self, dtype=numpy.int32), option=orjson.OPT_SERIALIZE_NUMPY)
+            made = self._json = (len(self), orjson.Fragment(text))
         return made[1]

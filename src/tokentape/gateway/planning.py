@@ -131,6 +131,9 @@ class Planner:
         mode = self._reply_mode(call, bridge.opens_reasoning)
         prompt = PromptIds(node.path_array())  # its JSON is written once, for the engine and the response
         prompt.extend(tokens)
+        buffer = node.path_buffer()
+        if buffer is not None:  # its JSON starts from the session's previous prompt's
+            prompt.on_path(tree.prompt_text, buffer, node.end)
         inputs = call.options.inputs()
         return Plan(turn, prompt, chains[-1], len(chains), mode, template_inputs=inputs, images=(*recorded, *runs))
 
