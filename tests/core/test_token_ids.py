@@ -79,7 +79,7 @@ def test_prompts_on_a_growing_buffer_are_written_true(steps: list[tuple[list[int
         prompt = PromptIds(buffer[:count])
         prompt.extend(new)
         prompt.on_path(slot, buffer, count)
-        assert _written(prompt.json()) == [*buffer[:count], *new]
+        assert _written(prompt.json(keep=True)) == [*buffer[:count], *new]
         assert slot.entry is not None and slot.entry.count == count
         assert json.loads(slot.entry.text[: slot.entry.cut] + b"]") == list(buffer[:count])
 
@@ -89,7 +89,7 @@ def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: 
     buffer = array("i", range(10_000))
     first = PromptIds(buffer).on_path(slot, buffer, len(buffer))
     first.extend([1, 2, 3])  # the bridge, not yet on the tape
-    first.json()
+    first.json(keep=True)
     buffer.extend([1, 2, 3, 40, 41])  # recorded: the bridge and the reply
     sizes: list[int] = []
     dumps = orjson.dumps
@@ -101,7 +101,7 @@ def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: 
     monkeypatch.setattr(orjson, "dumps", counted)
     second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
     second.extend([7, 8])
-    text = second.json()
+    text = second.json(keep=True)
     assert sizes == [5, 2]  # what the tape gained since, then the new bridge
     assert _written(text) == [*range(10_000), 1, 2, 3, 40, 41, 7, 8]
 
@@ -109,20 +109,20 @@ def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: 
 def test_a_prompt_on_another_buffer_or_before_the_known_text_is_written_whole() -> None:
     slot = PathTextSlot()
     path = array("i", [1, 2, 3, 4])
-    PromptIds(path).on_path(slot, path, 4).json()
+    PromptIds(path).on_path(slot, path, 4).json(keep=True)
     other = array("i", [1, 2, 9])
-    assert _written(PromptIds(other).on_path(slot, other, 3).json()) == [1, 2, 9]
-    PromptIds(path).on_path(slot, path, 4).json()
+    assert _written(PromptIds(other).on_path(slot, other, 3).json(keep=True)) == [1, 2, 9]
+    PromptIds(path).on_path(slot, path, 4).json(keep=True)
     earlier = PromptIds(path[:2]).on_path(slot, path, 2)  # a branch off an earlier point of the same array
     earlier.append(5)
-    assert _written(earlier.json()) == [1, 2, 5]
+    assert _written(earlier.json(keep=True)) == [1, 2, 5]
 
 
 def test_the_kept_text_counts_against_the_sessions_memory() -> None:
     tree = SessionTree("s")
     before = tree.held_bytes
     path = array("i", range(1000))
-    PromptIds(path).on_path(tree.prompt_text, path, 1000).json()
+    PromptIds(path).on_path(tree.prompt_text, path, 1000).json(keep=True)
     assert tree.held_bytes - before == len(orjson.dumps(list(range(1000))))
 
 
@@ -130,6 +130,18 @@ def test_a_prompt_on_a_path_travels_as_its_ids_alone() -> None:
     slot = PathTextSlot()
     path = array("i", [1, 2, 3])
     ids = PromptIds(path).on_path(slot, path, 3)
-    ids.json()
+    ids.json(keep=True)
     back = pickle.loads(pickle.dumps(ids))
     assert list(back) == [1, 2, 3] and getattr(back, "_path", None) is None
+
+
+def test_a_response_writes_the_text_without_keeping_it() -> None:
+    """Only an engine's body keeps the text: a response is written after the turn is counted against the
+    session's memory, so a text it kept would go uncounted until the next turn."""
+    slot = PathTextSlot()
+    path = array("i", [1, 2, 3])
+    ids = PromptIds(path).on_path(slot, path, 3)
+    assert _written(ids.json()) == [1, 2, 3] and slot.entry is None
+    assert wire_ids(ids) is ids.json() and slot.entry is None
+    fresh = PromptIds(path).on_path(slot, path, 3)
+    assert _written(wire_ids(fresh, to_engine=True)) == [1, 2, 3] and slot.entry is not None

@@ -8,13 +8,16 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.core.session import BYTES_PER_TOKEN
 from tokentape.core.tape import TurnNode
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import REPLAY_RECORD_BYTES, UNNAMED_RECORD_BYTES, MemoryLimits, SessionRegistry
@@ -164,4 +167,47 @@ async def test_unnamed_retry_records_are_bounded_by_the_budget(renderer: Rendere
         for n in range(5):
             assert (await http.post("/v1/chat/completions", json=_turn(f"Hello {n}"))).status_code == 200
         assert len(registry._unnamed) == 3
+    await gateway.aclose()
+
+
+class _Remote(ScriptedEngine):
+    """Writes each prompt's IDs as a remote engine's body does, before the turn is recorded."""
+
+    def generate(self, prompt: Any, params: Any, **options: Any) -> Any:
+        orjson.dumps({"prompt": wire_ids(prompt, to_engine=True)})
+        return super().generate(prompt, params, **options)
+
+
+async def test_past_the_budget_kept_prompt_texts_go_before_any_session(renderer: Renderer, tmp_path: Path) -> None:
+    """Each session keeps the JSON text of the latest prompt it sent the engine; the text counts against
+    the budget, and at the budget those texts are dropped, least recently used first, before any
+    session leaves memory. The next prompt is then written whole, and true."""
+    end = renderer.tokenizer.encode("<|im_end|>")[0]
+    registry = SessionRegistry(store=SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=1 << 30))
+    gateway = Gateway(_Remote(renderer.tokenizer.encode("Fine, thanks."), end), renderer, registry)
+    await gateway.start()
+    app = create_app(gateway, model_id=MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        histories = {}
+        for n in range(4):
+            history = [{"role": "user", "content": f"Hello there, number {n}. " * 30}]
+            body = {**_turn(""), "messages": history}
+            answer = (await http.post(f"/sessions/t{n}/v1/chat/completions", json=body)).json()
+            histories[n] = [*history, answer["choices"][0]["message"], {"role": "user", "content": "More?"}]
+            answer = await http.post(f"/sessions/t{n}/v1/chat/completions", json={**body, "messages": histories[n]})
+            assert answer.status_code == 200, answer.text
+        sessions = [registry.in_memory(f"t{n}") for n in range(4)]
+        texts = [s.tree.prompt_text.held_bytes for s in sessions if s is not None]
+        assert len(texts) == 4 and all(texts)
+        held = registry.held_bytes
+        assert held == sum(s.held_bytes for s in sessions if s is not None)  # the texts counted as made
+        registry.limits = MemoryLimits(max_bytes=held - texts[0] - texts[1] // 2)  # two texts must go
+        registry.account(sessions[3])  # type: ignore[arg-type]  # as after a turn
+        assert registry.evicted == 0 and len(registry) == 4
+        assert [s.tree.prompt_text.held_bytes for s in sessions if s is not None] == [0, 0, *texts[2:]]
+        assert registry.held_bytes == held - texts[0] - texts[1] <= registry.limits.max_bytes
+        again = await http.post("/sessions/t0/v1/chat/completions", json={**_turn(""), "messages": histories[0]})
+        shown = again.json()["prompt_token_ids"]
+        branches = (await http.get("/sessions/t0/export")).json()["branches"]
+        assert any(branch["tokens"][: len(shown)] == shown for branch in branches)
     await gateway.aclose()

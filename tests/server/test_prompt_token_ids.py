@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tokentape.engines.remote.wire import wire_ids
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
@@ -125,19 +126,22 @@ async def test_a_return_token_ids_that_is_no_boolean_is_a_400_naming_it(
 
 
 class _Recording(ScriptedEngine):
-    """Remembers each prompt as the engine was handed it (IDs, not text)."""
+    """Writes each prompt's IDs as a remote engine's body does (`wire_ids`), and remembers both the IDs
+    it was handed and what the text says."""
 
     def __init__(self, script: list[int], end_of_turn: int) -> None:
         super().__init__(script, end_of_turn)
         self.prompts: list[list[int]] = []
+        self.texts: list[list[int]] = []
 
     def generate(self, prompt: Any, params: Any, **options: Any) -> Any:
         self.prompts.append(list(prompt))
+        self.texts.append(orjson.loads(orjson.dumps(wire_ids(prompt, to_engine=True))))
         return super().generate(prompt, params, **options)
 
 
 async def test_each_later_prompts_text_is_its_ids_across_extensions_and_a_branch(renderer: Renderer) -> None:
-    """A later prompt's text is written from the session's previous one (`token_ids.PathTextSlot`):
+    """A later prompt's text for the engine is written from the session's previous one (`PathTextSlot`):
     along one path, then back on an earlier turn after the path grew past it, with new messages long
     enough to outrun what the path gained since."""
     end = renderer.tokenizer.encode("<|im_end|>")[0]
@@ -157,5 +161,6 @@ async def test_each_later_prompts_text_is_its_ids_across_extensions_and_a_branch
         body = {"model": MODEL_NAME, "messages": branch, "max_tokens": 8}
         shown += _prompt_ids_anywhere((await client.post("/sessions/p/v1/chat/completions", json=body)).json())
     await gateway.aclose()
+    assert engine.texts == engine.prompts
     assert shown == engine.prompts
     assert len(shown[3]) > len(shown[2]) + 8  # it outran the path's tokens after the turn it branched from

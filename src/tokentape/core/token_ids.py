@@ -5,7 +5,8 @@ A prompt is written as JSON for the engine (once per choice) and, where the resp
 at 128k tokens of history cost about 0.5 ms a writing. `PromptIds` keeps the text of the first.
 
 A later call's prompt is the previous prompt, its reply, and a few new tokens. Each session keeps the
-text of its latest prompt (`PathText`), so the next one on the same path writes only the IDs after it.
+text of the latest prompt it sent an engine (`PathText`), so the next one on the same path writes
+only the IDs after it.
 The text stands for the first IDs of a tape buffer (`TurnNode.path_buffer`), which only ever grows:
 what was written of it stays true, whichever turn extends it."""
 
@@ -48,6 +49,9 @@ class PathTextSlot:
     @property
     def held_bytes(self) -> int:
         return len(self.entry.text) if self.entry is not None else 0
+
+    def clear(self) -> None:
+        self.entry = None
 
     def write(self, ids: array[int], buffer: array[int], count: int) -> bytes:
         """The JSON of `ids`, whose first `count` are `buffer[:count]`: the entry's text as far as it
@@ -97,11 +101,13 @@ class PromptIds(_IntArray):
         self._path = (slot, buffer, count)
         return self
 
-    def json(self) -> orjson.Fragment:
-        """The IDs as a JSON array, to embed in a body `orjson` writes."""
+    def json(self, *, keep: bool = False) -> orjson.Fragment:
+        """The IDs as a JSON array, to embed in a body `orjson` writes. `keep`: written from, and kept
+        in, the session's slot (`on_path`); the engine's body asks for that, being written before its
+        turn is counted against the session's memory, where a response is written after."""
         made: tuple[int, orjson.Fragment] | None = getattr(self, "_json", None)
         if made is None or made[0] != len(self):
-            path: tuple[PathTextSlot, array[int], int] | None = getattr(self, "_path", None)
+            path: tuple[PathTextSlot, array[int], int] | None = getattr(self, "_path", None) if keep else None
             if path is not None and path[2] <= len(self):
                 text = path[0].write(self, path[1], path[2])
             else:

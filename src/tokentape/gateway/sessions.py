@@ -373,9 +373,13 @@ class SessionRegistry:
         return self.held_bytes > self.limits.max_bytes
 
     def _trim(self) -> None:
-        """Past the count or the bytes, drop the least recently used sessions that are not running."""
+        """Past the count or the bytes, drop the least recently used sessions that are not running.
+        Past the bytes, the texts kept of sessions' prompts go first: a cache, which costs the next
+        call of a session only the writing of its prompt whole."""
         excess = len(self._sessions) - self.limits.max_sessions
         over = self.held_bytes - self.limits.max_bytes
+        if over > 0:
+            over -= self._drop_prompt_texts(over)
         if excess <= 0 and over <= 0:
             return
         victims: list[str] = []
@@ -387,6 +391,23 @@ class SessionRegistry:
                 victims.append(session.id)
                 over -= self._sizes.get(session.id, 0)
         self._drop(victims)
+
+    def _drop_prompt_texts(self, wanted: int) -> int:
+        """Forget the kept prompt texts of the least recently used sessions until `wanted` bytes
+        are freed or none is left; the bytes freed."""
+        freed = 0
+        for session in self._sessions.values():
+            if freed >= wanted:
+                break
+            counted = self._sizes.get(session.id)
+            if counted is None or not session.tree.prompt_text.held_bytes:
+                continue
+            session.tree.prompt_text.clear()
+            size = session.held_bytes
+            freed += counted - size
+            self.session_bytes += size - counted
+            self._sizes[session.id] = size
+        return freed
 
     def evict_idle(self, now: float | None = None) -> int:
         """Drop sessions unused for `idle_seconds` (they stay in the store); the number dropped.

@@ -122,7 +122,7 @@ class SGLangEngine(UpdatableRemote):
                 constraint.value
             )
         body = {
-            "input_ids": wire_ids(prompt),
+            "input_ids": wire_ids(prompt, to_engine=True),
             "sampling_params": sampling,
             "return_logprob": True,
             "top_logprobs_num": params.top_logprobs,

@@ -132,7 +132,7 @@ class VLLMEngine(UpdatableRemote):
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.adapter or self.model_id,
-            "prompt": wire_ids(prompt),
+            "prompt": wire_ids(prompt, to_engine=True),
             **sampling_fields(prompt, params, self.context_length, length_key="max_tokens"),
             "stream": not whole,
             "logprobs": params.top_logprobs,
@@ -352,7 +352,7 @@ class VLLMGenerateEngine(VLLMEngine):
         return {
             "model": self.adapter or self.model_id,
             "request_id": uuid.uuid4().hex,
-            "token_ids": wire_ids(prompt),
+            "token_ids": wire_ids(prompt, to_engine=True),
             "sampling_params": sampling,
             "stream": not whole,
         }
