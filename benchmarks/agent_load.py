@@ -28,7 +28,8 @@ Two tables:
   sizes the generated transcript at 3.6 characters a token; Qwen2.5's tokenizer counts about 10% more,
   and the table shows its count: 115000 makes the 128k row), one agent at a time so each request's
   CPU is its own: each episode opens with that transcript, then `HISTORY_TURNS` calls each adding
-  ~100 tokens; the opening call (which tokenizes the whole transcript once) is reported apart.
+  ~100 tokens; the opening call (which tokenizes the whole transcript once) is reported apart. The
+  targets take turns session by session, and CPU is the threads' own in nanoseconds (schedstat).
 
     python benchmarks/agent_load.py [--levels 32 96 192 384 1024] [--rounds 2] [--histories 1000 8000 32000 115000]
         [--no-asked]
@@ -61,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # the same harness: processes, the peer's virtualenv, CPU and RSS from /proc
     PEER_NAME,
     _client,
+    _descendants,
     cpu_seconds,
     free_port,
     model_dir,
@@ -234,27 +236,45 @@ async def episodes(target: Target, agents: int, calls_each: int, tag: str) -> Ru
     return run
 
 
-async def history_costs(target: Target, history: int, sessions: int, tag: str) -> tuple[float, float, int]:
-    """(CPU ms of the opening call, CPU ms per later call, the last call's tokens) at about `history`
-    tokens of history, one agent at a time."""
-    assert target.pid is not None
-    opening, later, count, tokens = 0.0, 0.0, 0, 0
-    rng = random.Random(history)
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU time of a process tree's live threads, in nanoseconds (`/proc/*/task/*/schedstat`) where
+    `cpu_seconds` counts 10 ms ticks: one later call costs a few ms."""
+    total = 0
+    for process_id in _descendants(pid):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{process_id}/task"):
+                with contextlib.suppress(OSError, ValueError):
+                    total += int(Path(f"/proc/{process_id}/task/{task}/schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+async def history_costs(
+    targets: list[Target], history: int, sessions: int, tag: str
+) -> dict[str, tuple[float, float, int]]:
+    """By target: (CPU ms of the opening call, CPU ms per later call, the last call's tokens) at about
+    `history` tokens of history, one agent at a time; the targets take turns session by session, so
+    a change in the machine's load falls on each alike."""
+    spent: dict[str, list[float]] = {t.name: [0.0, 0.0, 0.0, 0.0] for t in targets}  # opening, later, calls, tokens
     async with httpx2.AsyncClient(timeout=600) as http:
         for s in range(sessions):
-            client = _client(http, target.base_url.format(session=f"{tag}-h{history}-{s}"))
-            transcript = code_text(rng, history)
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": transcript}]
-            for turn in range(HISTORY_TURNS):
-                before = cpu_seconds(target.pid)
-                reply, tokens = await _call(client, messages, False, False)
-                spent = cpu_seconds(target.pid) - before
-                if turn == 0:
-                    opening += spent
-                else:
-                    later, count = later + spent, count + 1
-                messages += [reply, {"role": "user", "content": code_text(rng, 100)}]
-    return opening / sessions * 1e3, later / count * 1e3, tokens
+            for target in targets:
+                assert target.pid is not None
+                rng = random.Random(history * 1_000 + s)  # each target gets the same requests
+                client = _client(http, target.base_url.format(session=f"{tag}-h{history}-{s}"))
+                messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": code_text(rng, history)}]
+                totals = spent[target.name]
+                for turn in range(HISTORY_TURNS):
+                    before = thread_cpu_seconds(target.pid)
+                    reply, tokens = await _call(client, messages, False, False)
+                    cost = thread_cpu_seconds(target.pid) - before
+                    if turn == 0:
+                        totals[0] += cost
+                    else:
+                        totals[1] += cost
+                        totals[2] += 1
+                    totals[3] = tokens
+                    messages += [reply, {"role": "user", "content": code_text(rng, 100)}]
+    return {name: (t[0] / sessions * 1e3, t[1] / t[2] * 1e3, int(t[3])) for name, t in spent.items()}
 
 
 def med(values: list[float]) -> float:
@@ -348,8 +368,8 @@ async def main(args: argparse.Namespace) -> None:
             print(f"{'tokens, last call':>16}" + "".join(f" {t.name:>18}" for t in gateways) + "   opening call")
             first: dict[str, float] = {}
             for history in args.histories:
-                sessions = max(8, 512_000 // history)  # at least 40 calls a cell: CPU is read in 10 ms ticks
-                costs = {t.name: await history_costs(t, history, sessions, "hist") for t in gateways}
+                sessions = max(8, 512_000 // history)  # at least 40 later calls a cell
+                costs = await history_costs(gateways, history, sessions, "hist")
                 for name, (_, call, _) in costs.items():
                     first.setdefault(name, call)
                 row = "".join(f" {call:>8.2f} (x{call / first[name]:.2f})" for name, (_, call, _) in costs.items())
