@@ -62,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import (  # the same harness: processes, the peer's virtualenv, CPU and RSS from /proc
     PEER_NAME,
     _client,
-    _descendants,
     cpu_seconds,
     free_port,
     model_dir,
@@ -70,6 +69,7 @@ from overhead import (  # the same harness: processes, the peer's virtualenv, CP
     process,
     rss_mb,
     scripted_engine,
+    thread_cpu_seconds,
     tokentape_command,
 )
 from scripted_vllm import TOOL_CALL_MAX_TOKENS
@@ -236,16 +236,12 @@ async def episodes(target: Target, agents: int, calls_each: int, tag: str) -> Ru
     return run
 
 
-def thread_cpu_seconds(pid: int) -> float:
-    """CPU time of a process tree's live threads, in nanoseconds (`/proc/*/task/*/schedstat`) where
-    `cpu_seconds` counts 10 ms ticks: one later call costs a few ms."""
-    total = 0
-    for process_id in _descendants(pid):
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{process_id}/task"):
-                with contextlib.suppress(OSError, ValueError):
-                    total += int(Path(f"/proc/{process_id}/task/{task}/schedstat").read_text().split()[0])
-    return total / 1e9
+@dataclass
+class _HistoryCell:
+    opening: float = 0.0  # CPU seconds of the opening calls
+    later: float = 0.0  # CPU seconds of the later calls
+    calls: int = 0  # later calls
+    tokens: int = 0  # the last call's
 
 
 async def history_costs(
@@ -254,7 +250,7 @@ async def history_costs(
     """By target: (CPU ms of the opening call, CPU ms per later call, the last call's tokens) at about
     `history` tokens of history, one agent at a time; the targets take turns session by session, so
     a change in the machine's load falls on each alike."""
-    spent: dict[str, list[float]] = {t.name: [0.0, 0.0, 0.0, 0.0] for t in targets}  # opening, later, calls, tokens
+    cells = {t.name: _HistoryCell() for t in targets}
     async with httpx2.AsyncClient(timeout=600) as http:
         for s in range(sessions):
             for target in targets:
@@ -262,19 +258,18 @@ async def history_costs(
                 rng = random.Random(history * 1_000 + s)  # each target gets the same requests
                 client = _client(http, target.base_url.format(session=f"{tag}-h{history}-{s}"))
                 messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": code_text(rng, history)}]
-                totals = spent[target.name]
+                cell = cells[target.name]
                 for turn in range(HISTORY_TURNS):
                     before = thread_cpu_seconds(target.pid)
-                    reply, tokens = await _call(client, messages, False, False)
+                    reply, cell.tokens = await _call(client, messages, False, False)
                     cost = thread_cpu_seconds(target.pid) - before
                     if turn == 0:
-                        totals[0] += cost
+                        cell.opening += cost
                     else:
-                        totals[1] += cost
-                        totals[2] += 1
-                    totals[3] = tokens
+                        cell.later += cost
+                        cell.calls += 1
                     messages += [reply, {"role": "user", "content": code_text(rng, 100)}]
-    return {name: (t[0] / sessions * 1e3, t[1] / t[2] * 1e3, int(t[3])) for name, t in spent.items()}
+    return {name: (c.opening / sessions * 1e3, c.later / c.calls * 1e3, c.tokens) for name, c in cells.items()}
 
 
 def med(values: list[float]) -> float:
