@@ -1,14 +1,16 @@
 """A conversation made of JSON's own types is rendered without transformers' deep copy of it, and the
 text is exactly what transformers' own `render_jinja_template` gives, for every family's template;
-inputs of other types (objects, tuples) still take transformers' whole path."""
+inputs of other types (objects, tuples) still take transformers' whole path. Its `tojson` filter
+remembers what it wrote, and writes exactly what transformers' writes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers.utils.chat_template_utils import render_jinja_template
+from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
 import tokentape.render.template as template_module
 from tests.support.models import SOURCES
@@ -128,3 +130,92 @@ def test_other_inputs_take_transformers_whole_path(
         for generation in (False, True):
             expected = transformers_text(template, [dict(m) for m in messages], None, kwargs, generation)
             assert ours(template, messages, None, kwargs, generation) == expected
+
+
+def _written_by_json(value: Any, *args: Any) -> str:
+    """transformers' tojson, written out independently: the standard library with its options."""
+    ensure_ascii, indent, separators, sort_keys = (list(args) + [False, None, None, False][len(args) :])[:4]
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+# values orjson writes alike or that differ only where json.dumps tells them apart, each after the other
+LOOKALIKES: list[tuple[Any, tuple[Any, ...]]] = [
+    ({"a": 1}, ()),
+    ({"a": 1.0}, ()),
+    ({"a": True}, ()),
+    ({"a": float("nan")}, ()),  # orjson writes NaN as null
+    ({"a": None}, ()),
+    ({"a": float("inf")}, ()),
+    ({"a": -0.0}, ()),
+    ({"a": 0.0}, ()),
+    ({"b": 1, "a": 2}, ()),
+    ({"a": 2, "b": 1}, ()),
+    ({"b": 1, "a": 2}, (False, None, None, True)),  # sort_keys
+    ({"a": [1, "é"]}, ()),
+    ({"a": [1, "é"]}, (True,)),  # ensure_ascii
+    ({"a": [1, "é"]}, (False, 2)),  # indent
+    ({"a": [1, "é"]}, (False, None, (",", ":"))),
+    ({"a": [1, "é"]}, (False, None, [",", ":"])),  # an unhashable option
+    ({"a": 2**70}, ()),  # past orjson's integers
+    ([{"x": "\ud800"}], ()),  # a lone surrogate orjson refuses
+    ("a string", ()),
+    (12, ()),
+]
+
+
+def test_the_json_memo_writes_what_the_standard_library_writes() -> None:
+    memo = template_module._JSONMemo(_written_by_json)
+    for _ in range(2):  # the second pass answers from what the first remembered
+        for value, options in LOOKALIKES:
+            assert memo(value, *options) == _written_by_json(value, *options), (value, options)
+
+
+def test_the_json_memo_writes_each_value_once() -> None:
+    written: list[Any] = []
+
+    def counting(value: Any, *options: Any) -> str:
+        written.append(value)
+        return _written_by_json(value, *options)
+
+    memo = template_module._JSONMemo(counting)
+    tool = TOOLS[0]
+    for _ in range(3):
+        assert memo(json.loads(json.dumps(tool))) == json.dumps(tool, ensure_ascii=False)
+    assert len(written) == 1
+    memo({"a": None})
+    memo({"a": None})
+    assert len(written) == 3  # a value with a null is written every time
+
+
+def test_the_json_memo_holds_a_bounded_amount(monkeypatch: pytest.MonkeyPatch) -> None:
+    memo = template_module._JSONMemo(_written_by_json)
+    for i in range(3_000):
+        memo({"id": i, "schema": "x" * 1_000})
+    assert memo._written.held_bytes <= template_module._JSON_MEMO_BYTES
+    assert len(memo._written) <= 1_024
+    large = {"schema": "y" * (template_module._JSON_MEMO_LARGEST + 1)}
+    assert memo(large) == json.dumps(large)
+    assert all(len(key[0]) <= template_module._JSON_MEMO_LARGEST for key in memo._written._items)
+
+
+def test_tools_that_differ_only_in_a_number_render_as_transformers_does(templates: dict[str, ChatTemplate]) -> None:
+    whole = json.loads(json.dumps(TOOLS))
+    whole[0]["function"]["parameters"]["properties"]["command"]["maxLength"] = 1
+    real = json.loads(json.dumps(whole))
+    real[0]["function"]["parameters"]["properties"]["command"]["maxLength"] = 1.0
+    messages = CONVERSATIONS[1][0][:2]
+    for family in ("qwen2.5", "qwen3", "llama3.2"):
+        template = templates[family]
+        for tools in (whole, real, whole, real):
+            expected = transformers_text(template, messages, tools, {}, True)
+            assert ours(template, messages, tools, {}, True) == expected
+        assert "1.0" in ours(template, messages, real, {}, True)
+
+
+def test_transformers_own_environment_keeps_its_own_filter(templates: dict[str, ChatTemplate]) -> None:
+    template = templates["qwen2.5"]
+    template.render(CONVERSATIONS[1][0][:2], add_generation_prompt=True, tools=TOOLS)
+    theirs = _compile_jinja_template(template.source).environment.filters["tojson"]
+    assert not isinstance(theirs, template_module._JSONMemo)
+    ours_filter = template_module._compiled(template.source).environment.filters["tojson"]
+    assert isinstance(ours_filter, template_module._JSONMemo)
