@@ -170,6 +170,17 @@ def test_the_json_memo_writes_what_the_standard_library_writes() -> None:
             assert memo(value, *options) == _written_by_json(value, *options), (value, options)
 
 
+def test_options_equal_in_python_but_taken_apart_by_json_dumps_stay_apart() -> None:
+    memo = template_module._JSONMemo(_written_by_json)
+    value = {"a": [1, 2]}
+    assert memo(value, False, True) == _written_by_json(value, False, True)  # True is 1 as a key
+    with pytest.raises(TypeError):  # json.dumps refuses a float indent
+        _written_by_json(value, False, 1.0)
+    with pytest.raises(TypeError):
+        memo(value, False, 1.0)
+    assert memo(value, 1, 2) == _written_by_json(value, 1, 2)
+
+
 def test_the_json_memo_writes_each_value_once() -> None:
     written: list[Any] = []
 
@@ -195,7 +206,7 @@ def test_the_json_memo_holds_a_bounded_amount(monkeypatch: pytest.MonkeyPatch) -
     assert len(memo._written) <= 1_024
     large = {"schema": "y" * (template_module._JSON_MEMO_LARGEST + 1)}
     assert memo(large) == json.dumps(large)
-    assert all(len(key[0]) <= template_module._JSON_MEMO_LARGEST for key in memo._written._items)
+    assert all(len(written) <= template_module._JSON_MEMO_LARGEST for written, _ in memo._written._items)
 
 
 def test_tools_that_differ_only_in_a_number_render_as_transformers_does(templates: dict[str, ChatTemplate]) -> None:

@@ -127,7 +127,7 @@ class _JSONMemo:
 
     def __init__(self, tojson: Callable[..., str]) -> None:
         self._tojson = tojson
-        self._written: BoundedCache[tuple[Any, ...], str] = BoundedCache(_JSON_MEMO_BYTES, _memo_size, max_items=1024)
+        self._written: BoundedCache[tuple[bytes, str], str] = BoundedCache(_JSON_MEMO_BYTES, _memo_size, max_items=1024)
 
     def __call__(
         self,
@@ -140,12 +140,13 @@ class _JSONMemo:
         if type(value) is not dict and type(value) is not list:
             return self._tojson(value, ensure_ascii, indent, separators, sort_keys)
         try:
-            key = (orjson.dumps(value), ensure_ascii, indent, separators, sort_keys)
-            hash(key)
-        except TypeError:  # not JSON orjson writes, or an unhashable option
+            written = orjson.dumps(value)
+        except TypeError:  # not JSON orjson writes
             return self._tojson(value, ensure_ascii, indent, separators, sort_keys)
-        if b"null" in key[0] or len(key[0]) > _JSON_MEMO_LARGEST:
+        if b"null" in written or len(written) > _JSON_MEMO_LARGEST:
             return self._tojson(value, ensure_ascii, indent, separators, sort_keys)
+        # the options by repr: 1, 1.0 and True are equal keys, and json.dumps takes them differently
+        key = (written, repr((ensure_ascii, indent, separators, sort_keys)))
         text = self._written.get(key)
         if text is None:
             text = self._tojson(value, ensure_ascii, indent, separators, sort_keys)
