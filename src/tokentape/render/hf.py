@@ -75,13 +75,14 @@ def ascii_twin(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer | None:
     for token_id in sorted(added):  # in ID order, so each lands on its own ID
         token = added[token_id]
         (twin.add_special_tokens if token.special else twin.add_tokens)([token])
-    return twin if _added_tokens(twin) == _added_tokens(tokenizer) else None
+    return twin if _flags(twin.get_added_tokens_decoder()) == _flags(added) else None
 
 
-def _added_tokens(tokenizer: tokenizers.Tokenizer) -> dict[int, tuple[Any, ...]]:
+def _flags(added: Mapping[int, tokenizers.AddedToken]) -> dict[int, tuple[Any, ...]]:
+    """Each added token as everything that decides where it matches."""
     return {
         token_id: (token.content, token.special, token.normalized, token.lstrip, token.rstrip, token.single_word)
-        for token_id, token in tokenizer.get_added_tokens_decoder().items()
+        for token_id, token in added.items()
     }
 
 
