@@ -230,3 +230,26 @@ def test_transformers_own_environment_keeps_its_own_filter(templates: dict[str, 
     assert not isinstance(theirs, template_module._JSONMemo)
     ours_filter = template_module._compiled(template.source).environment.filters["tojson"]
     assert isinstance(ours_filter, template_module._JSONMemo)
+
+
+# a template that reads keys named like dict's methods, keys that are missing, and nested keys
+_LOOKUPS = (
+    "{% for m in messages %}{{ m.role }}|{{ m.items is string }}|{{ m.get is callable }}|{{ m.keys is defined }}|"
+    "{{ m.missing is defined }}|{{ m.meta.items is string }}|{{ m.meta.depth.x }}|{{ m.get('role') }}\n{% endfor %}"
+)
+
+
+def test_a_key_named_like_a_dicts_method_reads_as_the_sandbox_reads_it() -> None:
+    """Keys are looked up first only for names that are none of dict's attributes: `m.items` stays the
+    method, as Jinja's sandbox gives it, even where the message has an `items` key."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "items": "a key", "get": "a key", "keys": 1, "meta": {"items": "x", "depth": {"x": 3}}},
+        {"role": "assistant", "meta": {"depth": {}}},
+    ]
+    template = ChatTemplate(_LOOKUPS)
+    expected = render_jinja_template(conversations=[messages], chat_template=_LOOKUPS)[0][0]
+    assert template.render(messages, add_generation_prompt=False) == expected
+    assert expected.splitlines() == [
+        "user|False|True|True|False|False|3|user",
+        "assistant|False|True|True|False|False||assistant",
+    ]

@@ -114,7 +114,28 @@ def _compiled(source: str) -> jinja2.Template:
     the tests that compare against them) never go through the memo."""
     environment: jinja2.Environment = _cached_compile_jinja_template(source).environment
     environment.filters["tojson"] = _JSONMemo(environment.filters["tojson"])
+    environment.getattr = _keys_first(environment.getattr)  # type: ignore[method-assign, assignment]
     return environment.from_string(source)
+
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+def _keys_first(getattr_: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """The sandbox's `obj.name` lookup, which tries the attribute first and takes a dict's key once
+    that raises AttributeError: for a plain dict and a name that is none of dict's attributes, the key
+    straight away (the same value, without raising; a quarter of a render with four tools). What has
+    no such key, and everything else, goes the sandbox's own way."""
+
+    def lookup(obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                pass
+        return getattr_(obj, attribute)
+
+    return lookup
 
 
 class _JSONMemo:
