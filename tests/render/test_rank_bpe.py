@@ -300,3 +300,17 @@ def test_hf_tokenizer_without_a_twin_or_with_one_gives_the_same_ids(model_dirs: 
     for text in _texts(["<|im_end|>", "<tool_call>"])[:20]:
         assert with_twin.encode(text) == without.encode(text)
         assert with_twin.encode_plain(text) == without.encode_plain(text)
+
+
+def test_a_run_of_spaces_tiktoken_gives_up_on_is_tokenized_by_the_library(model_dirs: dict[str, Path]) -> None:
+    """An agent may send a megabyte of spaces: tiktoken's regex runs out of backtracking stack there
+    (ValueError), and the served tokenizer takes the text through `tokenizers` instead."""
+    _, served = load_model_dir(model_dirs["qwen2.5"])
+    assert served._rank_bpe is not None
+    text = " " * 1_100_000 + "x"
+    with pytest.raises(ValueError, match="backtracking"):
+        served._rank_bpe.encode(text)
+    reference = tokenizers.Tokenizer.from_file(str(model_dirs["qwen2.5"] / "tokenizer.json"))
+    assert served.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    plain = _plain(reference)
+    assert served.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids

@@ -64,7 +64,9 @@ def identity_on_ascii(normalizer: Mapping[str, Any] | None) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class RankBPE:
-    """tiktoken over the ASCII part of a vocabulary; `encode*` take ASCII text only."""
+    """tiktoken over the ASCII part of a vocabulary; `encode*` take ASCII text only, and raise
+    ValueError where tiktoken's regex engine gives up (its backtracking stack: a run of about a
+    million spaces), which `tokenizers` splits."""
 
     encoding: tiktoken.Encoding
     parsed: frozenset[str]  # added tokens `encode` takes as tokens
