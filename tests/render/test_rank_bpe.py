@@ -314,3 +314,11 @@ def test_a_run_of_spaces_tiktoken_gives_up_on_is_tokenized_by_the_library(model_
     assert served.encode(text) == reference.encode(text, add_special_tokens=False).ids
     plain = _plain(reference)
     assert served.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids
+
+
+def test_a_vocabulary_without_a_token_for_an_ascii_byte_declines() -> None:
+    """tiktoken needs a token for every byte it meets (it fails without one); `tokenizers` drops it."""
+    without_z = json.loads(_byte_level_json(["ab"], [["a", "b"]]))
+    del without_z["model"]["vocab"]["z"]
+    explained = _explain(json.dumps(without_z))
+    assert isinstance(explained, str) and "ASCII byte" in explained

@@ -112,11 +112,13 @@ def _build(tokenizer: tokenizers.Tokenizer, source: bytes) -> RankBPE:
     _require(identity_on_ascii(normalizer), "the normalizer changes ASCII text")
     pattern = _split_pattern(_state(tokenizer.pre_tokenizer))
     parsed, parsed_plain = _added_tokens(tokenizer, normalized_matter=normalizer is not None)
-    spec = orjson.loads(source).get("model") or {}
-    spelled, ranks = _ascii_vocabulary(spec.get("vocab") or {})
-    _check_merge_order(spec.get("merges") or [], spelled)
-    for piece in _unreached(tokenizer, spelled):  # tiktoken would take a word equal to one whole
-        del ranks[piece]
+    spelled = _ascii_tokens(source)
+    unreached = _unreached(tokenizer, spelled)  # tiktoken would take a word equal to one whole
+    table = _latin1_table()
+    # the table (about 10 MB for Qwen's vocabulary) is made last, into the room the parsed file left
+    ranks = {
+        piece.translate(table).encode("latin-1"): rank for piece, rank in spelled.items() if piece not in unreached
+    }
     added = tokenizer.get_added_tokens_decoder()
     specials = {token.content: token_id for token_id, token in added.items() if token.content in parsed}
     encoding = tiktoken.Encoding("tokentape-ascii", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
@@ -168,21 +170,22 @@ def _added_tokens(tokenizer: tokenizers.Tokenizer, *, normalized_matter: bool) -
     return set(contents), parsed_plain
 
 
-def _ascii_vocabulary(vocab: Mapping[str, int]) -> tuple[dict[str, int], dict[bytes, int]]:
-    """The vocabulary's ASCII tokens, by their byte-level spelling and by their bytes, after checking
-    the vocabulary is byte-level."""
-    decoder = byte_decoder()
+def _ascii_tokens(source: bytes) -> dict[str, int]:
+    """The vocabulary's ASCII tokens by their byte-level spelling, after checking the vocabulary is
+    byte-level and its merges are in order (the parsed file is let go on return)."""
+    model = orjson.loads(source).get("model") or {}
+    vocab: dict[str, int] = model.get("vocab") or {}
     joined = _SEPARATOR.join(vocab)
-    _require(set(joined) <= {*decoder, _SEPARATOR}, "the vocabulary is not byte-level")
+    _require(set(joined) <= {*byte_decoder(), _SEPARATOR}, "the vocabulary is not byte-level")
     _require(len(set(vocab.values())) == len(vocab), "two tokens share an ID")
     as_latin1 = joined.translate(_latin1_table()).split(_SEPARATOR)  # one pass in C, not one a token
-    spelled: dict[str, int] = {}
-    ranks: dict[bytes, int] = {}
-    for piece, latin1, rank in zip(vocab, as_latin1, vocab.values(), strict=True):
-        if latin1.isascii():
-            spelled[piece] = ranks[latin1.encode()] = rank
-    _require(all(bytes([byte]) in ranks for byte in range(128)), "an ASCII byte has no token")
-    return spelled, ranks
+    spelled = {
+        piece: rank for piece, latin1, rank in zip(vocab, as_latin1, vocab.values(), strict=True) if latin1.isascii()
+    }
+    ascii_bytes = [char for char, byte in byte_decoder().items() if byte < 128]
+    _require(all(char in spelled for char in ascii_bytes), "an ASCII byte has no token")
+    _check_merge_order(model.get("merges") or [], spelled)
+    return spelled
 
 
 def _check_merge_order(merges: list[Any], spelled: Mapping[str, int]) -> None:
@@ -197,7 +200,7 @@ def _check_merge_order(merges: list[Any], spelled: Mapping[str, int]) -> None:
     _require(bool(np.all(ids[1:] > ids[:-1])), "the merges are not listed in the order of the tokens they make")
 
 
-def _unreached(tokenizer: tokenizers.Tokenizer, spelled: Mapping[str, int]) -> list[bytes]:
+def _unreached(tokenizer: tokenizers.Tokenizer, spelled: Mapping[str, int]) -> set[str]:
     """The multi-byte tokens that do not come out whole when the model alone encodes each as a word."""
     pieces = [piece for piece in spelled if len(piece) > 1]
     bare = tokenizers.Tokenizer(tokenizer.model)  # the same model: no normalizer, no added tokens
@@ -215,7 +218,7 @@ def _unreached(tokenizer: tokenizers.Tokenizer, spelled: Mapping[str, int]) -> l
         word_ends = np.cumsum([len(piece) for piece in chunk])
         tokens_per_word = np.diff(np.searchsorted(token_ends, word_ends), prepend=-1)
         unreached += [chunk[index] for index in np.flatnonzero(tokens_per_word != 1)]
-    return [piece.translate(_latin1_table()).encode("latin-1") for piece in unreached]
+    return set(unreached)
 
 
 @functools.cache
