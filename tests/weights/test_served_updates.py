@@ -28,6 +28,9 @@ def server(adapters: list[Path]) -> Iterator[RunningServer]:
 async def test_turns_go_on_across_updates_on_a_served_gateway(server: RunningServer, adapters: list[Path]) -> None:
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        # the first update waits for a streamed turn's first token, so it lands while turns run
+        # whatever the machine's speed (on a busy machine the turns can start after a timed series)
+        generating = asyncio.Event()
 
         async def turn(name: str, streamed: bool) -> list[int]:
             sdk = openai.AsyncOpenAI(base_url=f"{server.base_url}/sessions/{name}/v1", api_key="x", max_retries=0)
@@ -46,6 +49,7 @@ async def test_turns_go_on_across_updates_on_a_served_gateway(server: RunningSer
                         finishes.append(choice.finish_reason)
                         for item in choice.logprobs.content or [] if choice.logprobs else []:
                             ids.append(int(item.model_extra["token_id"]))  # type: ignore[index]
+                            generating.set()
                 assert [f for f in finishes if f] == ["length"]
             else:
                 reply = await sdk.chat.completions.create(**request)
@@ -56,8 +60,10 @@ async def test_turns_go_on_across_updates_on_a_served_gateway(server: RunningSer
             return ids
 
         async def trainer() -> None:
+            await generating.wait()
             for version in range(1, 6):
-                await asyncio.sleep(0.4)
+                if version > 1:
+                    await asyncio.sleep(0.4)
                 body = {"version": version, "lora": str(adapters[version % 3])}
                 answer = await http.post("/admin/weights", json=body)
                 assert answer.status_code == 200, answer.text
