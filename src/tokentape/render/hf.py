@@ -14,9 +14,10 @@ from typing import Any
 import tokenizers
 import xxhash
 
+from tokentape.core.bounded import BoundedCache
 from tokentape.errors import NotFound
 from tokentape.render.byte_level import byte_decoder
-from tokentape.render.rank_bpe import RankBPE, explain_rank_bpe, identity_on_ascii
+from tokentape.render.rank_bpe import RankBPE, explain_rank_bpe, identity_on_ascii, normalized_off_ascii
 from tokentape.render.template import ChatTemplate
 
 __all__ = ["HFTokenizer", "ascii_twin", "load_model_dir", "END_OF_TURN_NAMES"]
@@ -53,8 +54,8 @@ def ascii_twin(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer | None:
     if not identity_on_ascii(json.loads(normalizer.__getstate__())):
         return None
     added = tokenizer.get_added_tokens_decoder()
-    if any(token.normalized and not token.content.isascii() for token in added.values()):
-        return None  # NFKC takes some such tokens to ASCII (a fullwidth bar, the Kelvin sign)
+    if normalized_off_ascii(added.values()):
+        return None
     twin = tokenizers.Tokenizer(tokenizer.model)
     twin.pre_tokenizer = tokenizer.pre_tokenizer
     twin.post_processor = tokenizer.post_processor
@@ -215,21 +216,20 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     return template, HFTokenizer(backend, end_of_turn=end_of_turn, rank_bpe=_rank_bpe(source, backend))
 
 
-_RANK_BPES: dict[tuple[bytes, tuple[Any, ...]], RankBPE | None] = {}
-_RANK_BPES_KEPT = 8
-_rank_bpes_lock = threading.Lock()
+# built tables, and reasons for none, by the file's digest and the added tokens' flags
+_RANK_BPES: BoundedCache[tuple[bytes, tuple[Any, ...]], RankBPE | str] = BoundedCache(8, lambda _: 1)
+_rank_bpes_built = threading.Lock()  # one build at a time, each once
 
 
 def _rank_bpe(source: bytes, backend: tokenizers.Tokenizer) -> RankBPE | None:
     """The tiktoken twin of a tokenizer loaded from `source`, built once a process for each file and
     set of added tokens (about a second for Qwen's vocabulary on a 2-core machine)."""
     key = (xxhash.xxh3_128_digest(source), tuple(sorted(_flags(backend.get_added_tokens_decoder()).items())))
-    with _rank_bpes_lock:
-        if key not in _RANK_BPES:
+    with _rank_bpes_built:
+        built = _RANK_BPES.get(key)
+        if built is None:
             built = explain_rank_bpe(backend, source)
             if isinstance(built, str):
                 log.info("ASCII text is tokenized by tokenizers alone: %s", built)
-            if len(_RANK_BPES) >= _RANK_BPES_KEPT:
-                del _RANK_BPES[next(iter(_RANK_BPES))]
-            _RANK_BPES[key] = built if isinstance(built, RankBPE) else None
-        return _RANK_BPES[key]
+            _RANK_BPES.put(key, built)
+    return built if isinstance(built, RankBPE) else None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from tokenizers import pre_tokenizers
 
 from tokentape.render.byte_level import byte_decoder
 
-__all__ = ["RankBPE", "explain_rank_bpe", "identity_on_ascii", "BYTE_LEVEL_PATTERN"]
+__all__ = ["RankBPE", "explain_rank_bpe", "identity_on_ascii", "normalized_off_ascii", "BYTE_LEVEL_PATTERN"]
 
 # ByteLevel(use_regex=True)'s own split: GPT-2's pattern
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -119,9 +119,7 @@ def _build(tokenizer: tokenizers.Tokenizer, source: bytes) -> RankBPE:
     ranks = {
         piece.translate(table).encode("latin-1"): rank for piece, rank in spelled.items() if piece not in unreached
     }
-    added = tokenizer.get_added_tokens_decoder()
-    specials = {token.content: token_id for token_id, token in added.items() if token.content in parsed}
-    encoding = tiktoken.Encoding("tokentape-ascii", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    encoding = tiktoken.Encoding("tokentape-ascii", pat_str=pattern, mergeable_ranks=ranks, special_tokens=parsed)
     # tiktoken keeps only the regex's matches; `tokenizers`' isolated split keeps the text between too
     _require(encoding.decode_bytes(encoding.encode_ordinary(_ALL_PAIRS)) == _ALL_PAIRS.encode(), "the split skips text")
     return RankBPE(encoding, frozenset(parsed), frozenset(parsed_plain))
@@ -155,19 +153,25 @@ def _split_pattern(pre_tokenizer: Mapping[str, Any] | None) -> str:
     return pattern
 
 
-def _added_tokens(tokenizer: tokenizers.Tokenizer, *, normalized_matter: bool) -> tuple[set[str], set[str]]:
-    """(the ASCII added tokens `encode` parses, those `encode_plain` parses)."""
-    added = tokenizer.get_added_tokens_decoder().values()
-    for token in added:
+def normalized_off_ascii(tokens: Iterable[tokenizers.AddedToken]) -> bool:
+    """Whether an added token that is matched on normalized text is not ASCII: NFKC takes some such
+    tokens (a fullwidth bar, the Kelvin sign) to ASCII, so they match ASCII text."""
+    return any(token.normalized and not token.content.isascii() for token in tokens)
+
+
+def _added_tokens(tokenizer: tokenizers.Tokenizer, *, normalized_matter: bool) -> tuple[dict[str, int], set[str]]:
+    """(the ASCII added tokens `encode` parses, with their IDs; those `encode_plain` parses)."""
+    added = tokenizer.get_added_tokens_decoder()
+    for token in added.values():
         _require(not (token.lstrip or token.rstrip or token.single_word), f"{token.content!r} strips or is a word")
-        # NFKC takes the Kelvin sign to K: such a token matches ASCII text that tiktoken would not
-        _require(not (normalized_matter and token.normalized and not token.content.isascii()), "a normalized token")
         _require(bool(token.content), "an empty added token")
-    contents = sorted(token.content for token in added if token.content.isascii())
+    _require(not (normalized_matter and normalized_off_ascii(added.values())), "a normalized token")
+    parsed = {token.content: token_id for token_id, token in added.items() if token.content.isascii()}
+    contents = sorted(parsed)
     for shorter, longer in itertools.pairwise(contents):  # sorted, whatever a token begins sorts right after it
         _require(not longer.startswith(shorter), f"{shorter!r} begins {longer!r}")
-    parsed_plain = {token.content for token in added if token.content.isascii() and not token.special}
-    return set(contents), parsed_plain
+    parsed_plain = {token.content for token in added.values() if token.content.isascii() and not token.special}
+    return parsed, parsed_plain
 
 
 def _ascii_tokens(source: bytes) -> dict[str, int]:
