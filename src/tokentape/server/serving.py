@@ -12,11 +12,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import hashlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
+import orjson
 import pydantic
 import xxhash
 from fastapi import Request
@@ -34,6 +36,7 @@ from tokentape.server.dialects.common import Caller, WireRequest
 from tokentape.server.dialects.images import ImageIntake, ImageLimits
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 from tokentape.server.image_urls import fetch_remote_images, remote_image_urls
+from tokentape.server.reparse import Reparser
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
@@ -74,6 +77,7 @@ class Dialect(abc.ABC, Generic[Req]):
     errors: ClassVar[ErrorShape]
     request_model: type[Req]
     media_type: ClassVar[str] = "text/event-stream"
+    history_field: ClassVar[str | None] = None  # the body's array an agent resends whole every call
     stream_end: ClassVar[bytes] = b""  # the stream's end marker, after the last event (and after an error event)
 
     def __init__(self, context: DialectContext) -> None:
@@ -106,6 +110,7 @@ class Serving:
         self.gateway = gateway
         self._model_id = model_id
         self.tokenizer: Tokenizer = gateway.renderer.tokenizer
+        self.reparser = Reparser()
 
     @property
     def model(self) -> str:
@@ -123,7 +128,7 @@ class Serving:
     def route(self, dialect: Dialect[Any]) -> Handler:
         async def handle(request: Request) -> Response:
             use_error_shape(request, dialect.errors)
-            raw = await json_object(request)
+            raw = await json_object(request, parse=self._parser(request, dialect))
             if dialect.context.image_limits.allow_fetch:  # the operator's choice: image URLs fetched here
                 await self._fetch_images(raw, dialect.context.image_limits)
             try:
@@ -146,6 +151,16 @@ class Serving:
             return EventStream(body, media_type=dialect.media_type, headers=headers)
 
         return handle
+
+    def _parser(self, request: Request, dialect: Dialect[Any]) -> Callable[[bytes], Any]:
+        """The body's parser: one that reuses the parse of the history the session's last body carried,
+        where the session is named before the body is read (base URL, header or session key). Not
+        where image URLs are fetched: that rewrites the parsed messages in place."""
+        field = dialect.history_field
+        session = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
+        if field is None or not session or dialect.context.image_limits.allow_fetch:
+            return orjson.loads
+        return functools.partial(self.reparser.parse, session, field=field)
 
     async def _fetch_images(self, raw: dict[str, Any], limits: ImageLimits) -> None:
         """Fetching holds an admission slot, as generating does: past `--max-active` a request is

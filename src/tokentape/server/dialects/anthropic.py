@@ -405,6 +405,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
     answered as a `Message` (or its stream events) with the token data."""
 
     path = "/v1/messages"
+    history_field = "messages"
     errors = ANTHROPIC_ERRORS
     request_model = MessagesRequest
 

@@ -84,6 +84,7 @@ class OpenAIChat(_OpenAI[ChatCompletionRequest]):
     `ChatCompletion` (or its SSE chunks) with `prompt_token_ids` and each choice's `token_ids`."""
 
     path = "/v1/chat/completions"
+    history_field = "messages"
     request_model = ChatCompletionRequest
 
     def to_call(self, req: ChatCompletionRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:

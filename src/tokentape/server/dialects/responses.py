@@ -505,6 +505,7 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
     sampled and recorded, answered as a `Response` (or its stream events) with the token data."""
 
     path = "/v1/responses"
+    history_field = "input"
     errors = RESPONSES_ERRORS
     request_model = ResponsesRequest
 
