@@ -2,9 +2,9 @@
 
 An agent resends its whole history on every call: at 128k tokens, about 470 KB of JSON that orjson
 takes half a millisecond to parse into the values it parsed last time. `Reparser` remembers, for each
-session and route, where the last body's history array ended (`end`), a digest of the bytes before
-that, and the parse. A body that starts with the same bytes is, at `end`, in the same parser state:
-inside the history array, after its last element. Only the rest is parsed (`{"<sentinel>":[0` and
+session, where the last body's history array ended (`end`, just past its last element), a digest of
+the bytes before that, and the parse. A body that starts with the same bytes is, at `end`, in the
+same parser state: inside the history array, after its last element. Only the rest is parsed (`{"<sentinel>":[0` and
 the rest: the new elements after a placeholder, then the keys that follow) and joined onto the
 remembered parse, with JSON's rule for a key written twice (the last one counts) kept.
 
@@ -44,7 +44,7 @@ _PER_ITEM_BYTES = 200  # a parsed message's dict, beyond its strings
 @dataclass(frozen=True, slots=True)
 class _Kept:
     field: str  # the history's key
-    end: int  # the offset of the history array's closing bracket
+    end: int  # the offset just past the history's last element
     digest: bytes  # xxh3-128 of the body before `end`
     head: dict[str, Any]  # the keys before the history, in order, the history's key holding 0
     items: tuple[Any, ...]  # the history's parsed elements: each body gets a list of its own
