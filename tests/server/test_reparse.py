@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
 import httpx
+import httpx2
 import openai
 import orjson
 import pytest
@@ -15,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MODEL_NAME
+from tokentape.gateway.service import Gateway
 from tokentape.server import reparse
+from tokentape.server.app import create_app
 from tokentape.server.reparse import Reparser
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 40}
@@ -273,3 +277,41 @@ async def test_the_chat_route_parses_a_named_sessions_history_once(
             ]
     assert [key for key, _ in seen] == ["rp"] * 3 + ["rp-h"] * 3
     assert seen[-1][1] == 4  # two of each session's three bodies
+
+
+async def test_the_messages_and_responses_routes_parse_a_sessions_history_once(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anthropic's SDK on the Messages route and openai's on Responses (its `input` list): each parse
+    equals orjson's, and the second and third bodies of each session reuse the one before."""
+    seen: list[tuple[str | None, str, int]] = []
+    parse = Reparser.parse
+
+    def checked(self: Reparser, key: str | None, body: bytes, field: str) -> Any:
+        self.min_bytes = 0
+        got = parse(self, key, body, field)
+        assert orjson.dumps(got) == orjson.dumps(orjson.loads(body))
+        seen.append((key, field, self.reused))
+        return got
+
+    monkeypatch.setattr(Reparser, "parse", checked)
+    app = create_app(gateway, model_id=MODEL_NAME)
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://tokentape") as http:
+        await _messages_and_responses(http)
+    assert [(key, field) for key, field, _ in seen] == [("rp-m", "messages")] * 3 + [("rp-r", "input")] * 3
+    assert [reused for _, _, reused in seen] == [0, 1, 2, 2, 3, 4]
+
+
+async def _messages_and_responses(http: httpx2.AsyncClient) -> None:
+    """Three calls of one session through each SDK, each resending the history grown."""
+    claude = anthropic.AsyncAnthropic(base_url="http://tokentape/sessions/rp-m", api_key="k", http_client=http)
+    history: list[Any] = [{"role": "user", "content": "Say hi."}]
+    for _ in range(3):
+        message = await claude.messages.create(model=MODEL_NAME, messages=history, max_tokens=3)
+        text = "".join(block.text for block in message.content if block.type == "text")
+        history += [{"role": "assistant", "content": text or "."}, {"role": "user", "content": "Again."}]
+    responses = openai.AsyncOpenAI(base_url="http://tokentape/sessions/rp-r/v1", api_key="k", http_client=http)
+    items: list[Any] = [{"role": "user", "content": "Say hi."}]
+    for _ in range(3):
+        response = await responses.responses.create(model=MODEL_NAME, input=items, max_output_tokens=3)
+        items += [{"role": "assistant", "content": response.output_text or "."}, {"role": "user", "content": "Again."}]
