@@ -247,43 +247,10 @@ def test_any_sequence_of_bodies_parses_as_orjson_parses_each(bodies: list[bytes]
         _same(reparser, body)
 
 
-async def test_the_chat_route_parses_a_named_sessions_history_once(
-    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Through the real openai SDK (which writes compact JSON), on a session's base URL and with the
-    header: each parse equals orjson's, and every body after a session's first reuses the last one."""
-    seen: list[tuple[str | None, int]] = []
-    parse = Reparser.parse
-
-    def checked(self: Reparser, key: str | None, body: bytes, field: str) -> Any:
-        self.min_bytes = 0
-        got = parse(self, key, body, field)
-        assert orjson.dumps(got) == orjson.dumps(orjson.loads(body))
-        seen.append((key, self.reused))
-        return got
-
-    monkeypatch.setattr(Reparser, "parse", checked)
-    by_path = openai.AsyncOpenAI(base_url="http://tokentape/sessions/rp/v1", api_key="k", http_client=http)
-    by_header = openai.AsyncOpenAI(
-        base_url="http://tokentape/v1", api_key="k", http_client=http, default_headers={"X-Session-ID": "rp-h"}
-    )
-    for client in (by_path, by_header):
-        history: list[Any] = [{"role": "user", "content": "Say hi."}]
-        for _ in range(3):
-            reply = await client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
-            history += [
-                {"role": "assistant", "content": reply.choices[0].message.content},
-                {"role": "user", "content": "Again."},
-            ]
-    assert [key for key, _ in seen] == ["rp"] * 3 + ["rp-h"] * 3
-    assert seen[-1][1] == 4  # two of each session's three bodies
-
-
-async def test_the_messages_and_responses_routes_parse_a_sessions_history_once(
-    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Anthropic's SDK on the Messages route and openai's on Responses (its `input` list): each parse
-    equals orjson's, and the second and third bodies of each session reuse the one before."""
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str | None, str, int]]:
+    """Every body the routes parse, from bodies of any size: (its key, its history field, bodies
+    reused so far); each parse checked against orjson's whole parse."""
     seen: list[tuple[str | None, str, int]] = []
     parse = Reparser.parse
 
@@ -295,11 +262,62 @@ async def test_the_messages_and_responses_routes_parse_a_sessions_history_once(
         return got
 
     monkeypatch.setattr(Reparser, "parse", checked)
+    return seen
+
+
+async def test_the_chat_route_parses_a_named_sessions_history_once(
+    http: httpx.AsyncClient, parses: list[tuple[str | None, str, int]]
+) -> None:
+    """Through the real openai SDK (which writes compact JSON), on a session's base URL and with the
+    header: every body after a session's first reuses the last one."""
+    by_path = openai.AsyncOpenAI(base_url="http://tokentape/sessions/rp/v1", api_key="k", http_client=http)
+    by_header = openai.AsyncOpenAI(
+        base_url="http://tokentape/v1", api_key="k", http_client=http, default_headers={"X-Session-ID": "rp-h"}
+    )
+    for client in (by_path, by_header):
+        await _chat(client, "Say hi.", calls=3)
+    assert [key for key, _, _ in parses] == ["rp"] * 3 + ["rp-h"] * 3
+    assert parses[-1][2] == 4  # two of each session's three bodies
+
+
+async def test_a_finished_or_deleted_sessions_last_body_is_forgotten(
+    http: httpx.AsyncClient, parses: list[tuple[str | None, str, int]]
+) -> None:
+    """Nothing of a session's last body stays once it is finished or deleted: a body that follows
+    (refused by then) is parsed whole."""
+    for session, method, path in (("fin", "POST", "/sessions/fin/finish"), ("del", "DELETE", "/sessions/del")):
+        base_url = f"http://tokentape/sessions/{session}/v1"
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="k", http_client=http, max_retries=0)
+        history = await _chat(client, "Say hi.", calls=2)
+        reused = parses[-1][2]
+        assert (await http.request(method, path)).status_code == 200
+        with pytest.raises(openai.APIStatusError):
+            await client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
+        assert parses[-1] == (session, "messages", reused)
+
+
+async def _chat(client: openai.AsyncOpenAI, opening: str, calls: int) -> list[Any]:
+    """`calls` calls of one session, each resending the history grown; the history after them."""
+    history: list[Any] = [{"role": "user", "content": opening}]
+    for _ in range(calls):
+        reply = await client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
+        history += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "Again."},
+        ]
+    return history
+
+
+async def test_the_messages_and_responses_routes_parse_a_sessions_history_once(
+    gateway: Gateway, parses: list[tuple[str | None, str, int]]
+) -> None:
+    """Anthropic's SDK on the Messages route and openai's on Responses (its `input` list): the second
+    and third bodies of each session reuse the one before."""
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://tokentape") as http:
         await _messages_and_responses(http)
-    assert [(key, field) for key, field, _ in seen] == [("rp-m", "messages")] * 3 + [("rp-r", "input")] * 3
-    assert [reused for _, _, reused in seen] == [0, 1, 2, 2, 3, 4]
+    assert [(key, field) for key, field, _ in parses] == [("rp-m", "messages")] * 3 + [("rp-r", "input")] * 3
+    assert [reused for _, _, reused in parses] == [0, 1, 2, 2, 3, 4]
 
 
 async def _messages_and_responses(http: httpx2.AsyncClient) -> None:

@@ -223,7 +223,7 @@ def create_app(
     app.add_api_route("/tokenize", tokenize, methods=["POST"], openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
 
-    add_session_routes(app, gateway, keys)
+    add_session_routes(app, gateway, keys, forget=serving.reparser.forget)
     add_admin_routes(app, gateway, settings.weights_dirs)
     app.state.started = time.time()
     return app

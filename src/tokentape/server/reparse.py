@@ -38,7 +38,7 @@ KEPT_BYTES = 64 << 20  # the histories' JSON remembered across sessions, least r
 _SEED = secrets.randbits(64)
 _SENTINEL = secrets.token_hex(12)  # the placeholder key no client can know
 _PREFIX = b'{"' + _SENTINEL.encode() + b'":[0'
-_PER_ITEM_BYTES = 200  # a parsed message's dict, beyond its strings
+_PER_ITEM_BYTES = 700  # a parsed message beyond its text (its dicts, a tool call's): measured on agent histories
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,10 @@ class Reparser:
         data = orjson.loads(body)
         self._remember(key, body, data, field)
         return data
+
+    def forget(self, key: str) -> None:
+        """Drop what is kept for `key`: its session is finished or deleted, no body follows."""
+        self._kept.discard(key)
 
     def _after(self, key: str, kept: _Kept, body: bytes) -> dict[str, Any] | None:
         """The body parsed from `kept`, or None where it does not start with the same bytes (or is not

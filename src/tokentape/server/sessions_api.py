@@ -6,7 +6,7 @@ time), delete."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -147,7 +147,10 @@ def _rows_response(
     return json_response({"object": "list", "format": fmt, "data": rows})
 
 
-def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None = None) -> None:
+def add_session_routes(
+    app: FastAPI, gateway: Gateway, keys: SessionKeys | None = None, forget: Callable[[str], None] | None = None
+) -> None:
+    """`forget`: told each session that is finished or deleted (what the routes keep of its last body)."""
     sessions = gateway.sessions
     keys = keys or SessionKeys(sessions)
 
@@ -254,6 +257,8 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         session.finish()
         await sessions.persist(session)
         keys.revoke(session_id)
+        if forget is not None:
+            forget(session_id)
         if newly:
             gateway.metrics.session_finished()
         return session.summary()
@@ -330,4 +335,6 @@ def add_session_routes(app: FastAPI, gateway: Gateway, keys: SessionKeys | None 
         """Delete a session from memory and from the store, and revoke its key; 404 if there is none."""
         await sessions.delete(session_id)
         keys.revoke(session_id)
+        if forget is not None:
+            forget(session_id)
         return {"id": session_id, "object": "session", "deleted": True, "at": time.time()}
