@@ -105,13 +105,22 @@ def test_a_body_that_writes_the_placeholder_key_itself_parses_as_written(monkeyp
         _same(reparser, b'{"messages":[1,2],' + after + b"}")
 
 
-def test_a_history_written_with_spaces_is_parsed_whole_every_time() -> None:
+def test_a_history_written_with_spaces_is_parsed_whole_and_looked_for_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the history ends is looked for once a session: a client writing with spaces writes so
+    every time, and looking again would cost each of its bodies more than the parse."""
+    looked: list[bytes] = []
+    kept = reparse._kept
+    monkeypatch.setattr(reparse, "_kept", lambda body, items, field: looked.append(body) or kept(body, items, field))
     reparser = Reparser(min_bytes=0)
     history = [SYSTEM, {"role": "user", "content": "Go."}]
     for i in range(4):
         _same(reparser, json.dumps({"model": "m", "messages": history}).encode())
+        _same(reparser, _body(history), key="compact")
         history += [_call(i), _tool_output(i)]
-    assert reparser.reused == 0
+    assert reparser.reused == 3  # the compact session's
+    assert len(looked) == 2  # once for each session
+    _same(reparser, orjson.dumps({"input": history}), key="s", field="input")  # another field, looked at anew
+    assert len(looked) == 3
 
 
 def test_keys_written_twice_take_their_last_value_in_their_first_place() -> None:
