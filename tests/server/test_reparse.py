@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import MODEL_NAME
+from tests.support.histories import shared_parses_unchanged
 from tokentape.gateway.service import Gateway
 from tokentape.server import reparse
 from tokentape.server.app import create_app
@@ -342,3 +343,13 @@ async def _messages_and_responses(http: httpx2.AsyncClient) -> None:
     for _ in range(3):
         response = await responses.responses.create(model=MODEL_NAME, input=items, max_output_tokens=3)
         items += [{"role": "assistant", "content": response.output_text or "."}, {"role": "user", "content": "Again."}]
+
+
+async def test_no_route_changes_a_parsed_history_that_later_bodies_share(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parsed elements of a history are shared with the session's later parses, so no route may
+    change them in place: text parts, tool calls and results, content blocks and each route's own
+    items (images refused here, after the body is read, by a model without vision; with one in
+    tests/images/test_shared_parses.py)."""
+    await shared_parses_unchanged(http, monkeypatch, MODEL_NAME, accepted=(200, 400))
