@@ -193,6 +193,19 @@ def test_sessions_are_remembered_apart_and_within_a_budget() -> None:
     assert small.reused == 6
 
 
+def test_the_sessions_closed_lately_are_remembered_within_a_bound() -> None:
+    """A closed session's bodies keep nothing, for the last `CLOSED_REMEMBERED` sessions closed."""
+    reparser = Reparser(min_bytes=0)
+    history = [SYSTEM, {"role": "user", "content": "Hi."}]
+    keys = [f"s{i}" for i in range(reparse.CLOSED_REMEMBERED + 1)]
+    for key in keys:
+        reparser.forget(key)
+    for key in (keys[1], keys[-1], keys[0]):  # the first closed is no longer remembered as closed
+        _same(reparser, _body(history), key=key)
+        _same(reparser, _body([*history, _call(2)]), key=key)
+    assert reparser.reused == 1
+
+
 def test_small_bodies_and_unnamed_sessions_are_parsed_whole() -> None:
     reparser = Reparser()
     history = [SYSTEM, {"role": "user", "content": "Go."}]
@@ -293,17 +306,18 @@ async def test_the_chat_route_parses_a_named_sessions_history_once(
 async def test_a_finished_or_deleted_sessions_last_body_is_forgotten(
     http: httpx.AsyncClient, parses: list[tuple[str | None, str, int]]
 ) -> None:
-    """Nothing of a session's last body stays once it is finished or deleted: a body that follows
-    (refused by then) is parsed whole."""
+    """Nothing of a session's last body stays once it is finished or deleted, and nothing of the
+    bodies that follow (refused by then, as an SDK's retries are): each is parsed whole."""
     for session, method, path in (("fin", "POST", "/sessions/fin/finish"), ("del", "DELETE", "/sessions/del")):
         base_url = f"http://tokentape/sessions/{session}/v1"
         client = openai.AsyncOpenAI(base_url=base_url, api_key="k", http_client=http, max_retries=0)
         history = await _chat(client, "Say hi.", calls=2)
         reused = parses[-1][2]
         assert (await http.request(method, path)).status_code == 200
-        with pytest.raises(openai.APIStatusError):
-            await client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
-        assert parses[-1] == (session, "messages", reused)
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError):
+                await client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
+            assert parses[-1] == (session, "messages", reused)
 
 
 async def _chat(client: openai.AsyncOpenAI, opening: str, calls: int) -> list[Any]:

@@ -40,6 +40,8 @@ _SEED = secrets.randbits(64)
 _SENTINEL = secrets.token_hex(12)  # the placeholder key no client can know
 _PREFIX = b'{"' + _SENTINEL.encode() + b'":[0'
 _PER_ITEM_BYTES = 700  # a parsed message beyond its text (its dicts, a tool call's): measured on agent histories
+# sessions finished or deleted lately: a body sent to one (the SDKs retry a refusal twice) keeps nothing
+CLOSED_REMEMBERED = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,10 @@ def _digest(data: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data, seed=_SEED)
 
 
+def _one(_: bool) -> int:
+    return 1
+
+
 def _size(kept: _Kept | _Declined) -> int:
     return kept.end + _PER_ITEM_BYTES * len(kept.items) if type(kept) is _Kept else 64
 
@@ -76,11 +82,12 @@ class Reparser:
 
     def __init__(self, max_bytes: int = KEPT_BYTES, min_bytes: int = MIN_BODY_BYTES) -> None:
         self._kept: BoundedCache[str, _Kept | _Declined] = BoundedCache(max_bytes, _size)
+        self._closed: BoundedCache[str, bool] = BoundedCache(CLOSED_REMEMBERED, _one)  # one a session
         self.min_bytes = min_bytes
         self.reused = 0  # bodies parsed from a remembered prefix (what the tests watch)
 
     def parse(self, key: str | None, body: bytes, field: str) -> Any:
-        if key is None or len(body) < self.min_bytes:
+        if key is None or len(body) < self.min_bytes or self._closed.get(key):
             return orjson.loads(body)
         kept = self._kept.get(key)
         if type(kept) is _Declined and kept.field == field:
@@ -95,8 +102,10 @@ class Reparser:
         return data
 
     def forget(self, key: str) -> None:
-        """Drop what is kept for `key`: its session is finished or deleted, no body follows."""
+        """Drop what is kept for `key`: its session is finished or deleted, and the bodies still sent
+        to it are refused, so none of them is kept either."""
         self._kept.discard(key)
+        self._closed.put(key, True)
 
     def _after(self, key: str, kept: _Kept, body: bytes) -> dict[str, Any] | None:
         """The body parsed from `kept`, or None where it does not start with the same bytes (or is not
