@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokentape.core.session import SessionTree
-from tokentape.core.token_ids import PathTextSlot, PromptIds
+from tokentape.core.token_ids import FirstPromptIds, PathTextSlot, PromptIds
 from tokentape.engines.remote.wire import wire_ids
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -145,3 +145,67 @@ def test_a_response_writes_the_text_without_keeping_it() -> None:
     assert wire_ids(ids) is ids.json() and slot.entry is None
     fresh = PromptIds(path).on_path(slot, path, 3)
     assert _written(wire_ids(fresh, to_engine=True)) == [1, 2, 3] and slot.entry is not None
+
+
+@given(st.lists(INT32, max_size=300), st.lists(INT32, min_size=1, max_size=50), st.lists(INT32, max_size=20))
+def test_a_first_prompt_sent_to_an_engine_hands_its_text_on(first: list[int], reply: list[int], new: list[int]) -> None:
+    """A session's first prompt, recorded at the start of a tape buffer: the next prompt on that buffer
+    is written from its text, and says its own IDs."""
+    prompt = FirstPromptIds(first)
+    assert _written(wire_ids(prompt, to_engine=True)) == first
+    buffer = array("i", [*first, *reply])  # recorded: the prompt, then the reply
+    slot = PathTextSlot()
+    prompt.hand_on(slot, buffer)
+    assert slot.entry is not None and slot.entry.buffer is buffer and slot.entry.count == len(first)
+    second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
+    second.extend(new)
+    assert _written(second.json(keep=True)) == [*first, *reply, *new]
+
+
+def test_the_second_prompt_writes_only_the_ids_after_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = FirstPromptIds(range(10_000))
+    first.json(keep=True)
+    buffer = array("i", [*range(10_000), 40, 41])
+    slot = PathTextSlot()
+    first.hand_on(slot, buffer)
+    sizes: list[int] = []
+    dumps = orjson.dumps
+
+    def counted(value: Any, **options: Any) -> bytes:
+        sizes.append(len(value))
+        return dumps(value, **options)
+
+    monkeypatch.setattr(orjson, "dumps", counted)
+    second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
+    second.extend([7, 8])
+    text = second.json(keep=True)
+    assert sizes == [2, 2]  # the reply, then the new bridge
+    assert _written(text) == [*range(10_000), 40, 41, 7, 8]
+
+
+def test_a_first_prompt_hands_on_only_what_an_engine_was_sent() -> None:
+    """Written for a response only (an engine that takes IDs, not JSON), or not at all, nothing is kept;
+    nor on a buffer that does not hold the prompt."""
+    buffer = array("i", [1, 2, 3, 4])
+    slot = PathTextSlot()
+    for prompt in (FirstPromptIds([1, 2, 3]), FirstPromptIds([1, 2, 3])):
+        prompt.hand_on(slot, buffer)
+        assert wire_ids(prompt) is prompt.json()  # a response's writing: made once, kept by the prompt alone
+        prompt.hand_on(slot, buffer)
+        assert slot.entry is None
+    sent = FirstPromptIds([1, 2, 3, 4, 5])
+    sent.json(keep=True)
+    sent.hand_on(slot, buffer)  # the buffer is shorter than the prompt: it cannot be the prompt's
+    assert slot.entry is None
+    grown = FirstPromptIds([1, 2])
+    grown.json(keep=True)
+    grown.append(3)  # the text no longer says the IDs
+    grown.hand_on(slot, buffer)
+    assert slot.entry is None
+
+
+def test_a_first_prompt_travels_as_its_ids_alone() -> None:
+    prompt = FirstPromptIds([1, 2, 3])
+    prompt.json(keep=True)
+    back = pickle.loads(pickle.dumps(prompt))
+    assert type(back) is FirstPromptIds and back == [1, 2, 3] and getattr(back, "_json", None) is None

@@ -46,7 +46,8 @@ async def test_two_sessions_showing_one_image_hold_its_bytes_once_and_their_tree
         tree = held.tree
         assert tree.images == {digest: ImageFacts(digest, "image/png", 96, 64, len(red))}
         assert not any(isinstance(value, DecodedImage) for value in vars(tree).values())
-        assert tree.held_bytes == BYTES_PER_TOKEN * tree.token_count + BYTES_PER_IMAGE
+        # the prompt's JSON, as the engine was sent it, is kept for the session's next prompt
+        assert tree.held_bytes == BYTES_PER_TOKEN * tree.token_count + BYTES_PER_IMAGE + tree.prompt_text.held_bytes
     # the one copy in memory is the library's cache, counted once against the budget
     library = app.gateway.sessions.images
     assert len(library.cache) == 1 and library.cache.held_bytes == len(red) + IMAGE_ENTRY_BYTES

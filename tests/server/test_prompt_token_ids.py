@@ -156,6 +156,9 @@ async def test_each_later_prompts_text_is_its_ids_across_extensions_and_a_branch
             body = {"model": MODEL_NAME, "messages": history, "max_tokens": 8}
             answer = (await client.post("/sessions/p/v1/chat/completions", json=body)).json()
             shown += _prompt_ids_anywhere(answer)
+            if len(shown) == 1:  # the first prompt's text is the session's from its turn on (`hand_on`)
+                session = gateway.sessions.in_memory("p")
+                assert session is not None and session.tree.prompt_text.held_bytes == len(orjson.dumps(shown[0]))
             history.append(answer["choices"][0]["message"])
         branch = [*history[:2], {"role": "user", "content": "Tell me about mauve. " * 40}]
         body = {"model": MODEL_NAME, "messages": branch, "max_tokens": 8}

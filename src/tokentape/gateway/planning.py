@@ -14,7 +14,7 @@ from tokentape.core.images import ImageRun
 from tokentape.core.messages import EMPTY_CHAIN, Message, chain_step
 from tokentape.core.session import Extend, Fresh, NewTurn, SessionTree, plan_request, settle_rewrite
 from tokentape.core.tape import Origin, Rewrite, TurnNode, path_images, path_tokens
-from tokentape.core.token_ids import PromptIds
+from tokentape.core.token_ids import FirstPromptIds, PromptIds
 from tokentape.errors import InvalidRequest
 from tokentape.gateway import images
 from tokentape.gateway.calls import ChatCall
@@ -152,9 +152,9 @@ class Planner:
             tokens, runs = await expand(tokens, call.messages, 0)
         mode = self._reply_mode(call, prompt.opens_reasoning)
         inputs = call.options.inputs()
-        if decision.fork_from is None:
+        if decision.fork_from is None:  # its JSON is written once, and the session keeps it (`_record`)
             turn = NewTurn(None, 0, tuple(tokens), Origin.PROMPT, None, runs)
-            return Plan(turn, tokens, chain, count, mode, template_inputs=inputs, images=runs)
+            return Plan(turn, FirstPromptIds(tokens), chain, count, mode, template_inputs=inputs, images=runs)
         parent, shared = tree.fork_point(decision.fork_from, tokens, runs)
         rewrite = decision.rewrite
         if rewrite is not None:

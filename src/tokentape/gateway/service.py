@@ -24,6 +24,7 @@ from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale, session_bound
 from tokentape.core.tape import TurnNode, path_tokens
+from tokentape.core.token_ids import FirstPromptIds
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, PromptImage, SampledToken, takes_images
 from tokentape.engines.remote import make_engine
@@ -535,6 +536,9 @@ class Gateway:
             shape_chain=plan.shape_chain,
             sampling=run.sampling.distribution(),
         )
+        buffer = node.path_buffer() if node.parent is None else None
+        if isinstance(plan.prompt, FirstPromptIds) and buffer is not None:
+            plan.prompt.hand_on(session.tree.prompt_text, buffer)  # its text, for the next prompt on the buffer
         self.metrics.turn_recorded(
             prompt_tokens=len(plan.prompt), sampled_tokens=len(run.tokens), finish_reason=run.finish
         )

@@ -13,7 +13,7 @@ import numpy
 import orjson
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.core.token_ids import PromptIds
+from tokentape.core.token_ids import FirstPromptIds, PromptIds
 from tokentape.errors import EngineProtocolError
 
 __all__ = [
@@ -115,7 +115,7 @@ def wire_ids(tokens: Sequence[int], *, to_engine: bool = False) -> Any:
     text, written once for the engine and the response (and, for an engine, kept by the session for
     its next prompt: `PromptIds.json`); another int32 array, seen as numpy, is written in C without
     one Python int per token (0.27 against 3.4 ms at 128k)."""
-    if isinstance(tokens, PromptIds):
+    if isinstance(tokens, PromptIds | FirstPromptIds):
         return tokens.json(keep=to_engine)
     if isinstance(tokens, array) and tokens.itemsize == 4 and tokens.typecode in "il":
         return numpy.frombuffer(tokens, dtype=numpy.int32)
