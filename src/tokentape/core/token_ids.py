@@ -7,8 +7,9 @@ at 128k tokens of history cost about 0.5 ms a writing. `PromptIds` keeps the tex
 A later call's prompt is the previous prompt, its reply, and a few new tokens. Each session keeps the
 text of the latest prompt it sent an engine (`PathText`), so the next one on the same path writes
 only the IDs after it; a session's first prompt hands its text on once it is recorded
-(`FirstPromptIds`), so its second does too. The text stands for the first IDs of a tape buffer (`TurnNode.path_buffer`),
-which only ever grows: what was written of it stays true, whichever turn extends it."""
+(`FirstPromptIds`), so its second does too. The text stands for the first IDs of a tape buffer
+(`TurnNode.path_buffer`), which only ever grows: what was written of it stays true, whichever turn
+extends it."""
 
 from __future__ import annotations
 
