@@ -91,6 +91,16 @@ def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: 
     first.extend([1, 2, 3])  # the bridge, not yet on the tape
     first.json(keep=True)
     buffer.extend([1, 2, 3, 40, 41])  # recorded: the bridge and the reply
+    sizes, text = _next_prompt_written(monkeypatch, slot, buffer, [7, 8])
+    assert sizes == [5, 2]  # what the tape gained since, then the new bridge
+    assert _written(text) == [*range(10_000), 1, 2, 3, 40, 41, 7, 8]
+
+
+def _next_prompt_written(
+    monkeypatch: pytest.MonkeyPatch, slot: PathTextSlot, buffer: array[int], new: list[int]
+) -> tuple[list[int], object]:
+    """The next prompt on `buffer` (all of it, then `new`) written for an engine, and the lengths of
+    what orjson was asked to write meanwhile."""
     sizes: list[int] = []
     dumps = orjson.dumps
 
@@ -99,11 +109,11 @@ def test_a_later_prompt_writes_only_the_ids_after_the_previous_one(monkeypatch: 
         return dumps(value, **options)
 
     monkeypatch.setattr(orjson, "dumps", counted)
-    second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
-    second.extend([7, 8])
-    text = second.json(keep=True)
-    assert sizes == [5, 2]  # what the tape gained since, then the new bridge
-    assert _written(text) == [*range(10_000), 1, 2, 3, 40, 41, 7, 8]
+    prompt = PromptIds(buffer).on_path(slot, buffer, len(buffer))
+    prompt.extend(new)
+    text = prompt.json(keep=True)
+    monkeypatch.undo()
+    return sizes, text
 
 
 def test_a_prompt_on_another_buffer_or_before_the_known_text_is_written_whole() -> None:
@@ -168,17 +178,7 @@ def test_the_second_prompt_writes_only_the_ids_after_the_first(monkeypatch: pyte
     buffer = array("i", [*range(10_000), 40, 41])
     slot = PathTextSlot()
     first.hand_on(slot, buffer)
-    sizes: list[int] = []
-    dumps = orjson.dumps
-
-    def counted(value: Any, **options: Any) -> bytes:
-        sizes.append(len(value))
-        return dumps(value, **options)
-
-    monkeypatch.setattr(orjson, "dumps", counted)
-    second = PromptIds(buffer).on_path(slot, buffer, len(buffer))
-    second.extend([7, 8])
-    text = second.json(keep=True)
+    sizes, text = _next_prompt_written(monkeypatch, slot, buffer, [7, 8])
     assert sizes == [2, 2]  # the reply, then the new bridge
     assert _written(text) == [*range(10_000), 40, 41, 7, 8]
 
