@@ -216,6 +216,7 @@ def serve(
     from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
     from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
     from tokentape.server.middleware import GuardSettings
+    from tokentape.server.write_combining import WriteCombiningHttpTools
     from tokentape.train.weights import cache_dir
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -302,8 +303,9 @@ def serve(
         log_level=log_level.lower(),
         # libuv's event loop and llhttp's parser: less CPU per request than asyncio + h11. httptools
         # sets no header limit of its own, so oversized headers reach the app, which answers 431.
+        # What a turn of the loop writes to a client goes out in one write (`server.write_combining`).
         loop="uvloop",
-        http="httptools",
+        http=WriteCombiningHttpTools,
         proxy_headers=False,  # nothing reads the client address; one ASGI layer less per request
         # below info an access line is never shown, yet uvicorn formats its fields for every request
         access_log=log_level.lower() in ("debug", "info"),

@@ -184,6 +184,7 @@ class GatewayActor:
 
         from tokentape.runtime import build_gateway
         from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
+        from tokentape.server.write_combining import WriteCombiningHttpTools
 
         self.spec = spec
         Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +237,7 @@ class GatewayActor:
             port=spec.port,
             log_level="warning",
             lifespan="on",
+            http=WriteCombiningHttpTools,
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
         self.server = uvicorn.Server(config)
