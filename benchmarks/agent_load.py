@@ -32,10 +32,14 @@ Two tables:
   targets take turns session by session, and CPU is the threads' own in nanoseconds (schedstat).
 
     python benchmarks/agent_load.py [--levels 32 96 192 384 1024] [--rounds 2] [--histories 1000 8000 32000 115000]
-        [--no-asked]
+        [--no-asked] [--no-bare]
 
 Unless `--no-asked`, a second tokentape runs beside the first with `--prompt-token-ids asked` (its
 responses leave out the history's token IDs, which the agents never read): "tokentape, asked".
+
+Unless `--no-bare`, benchmarks/bare_forwarder.py runs beside them as "bare forwarder": the least a
+Python gateway does per call (uvicorn, one orjson parse of the request and of the answer, a post to
+the engine's chat route), a floor for the gateways' CPU on this machine.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ CHARS_PER_TOKEN = 3.6  # of the generated code-like text under Qwen2.5's tokeniz
 TEXT_MAX_TOKENS = 16  # a text answer: the scripted engine's 15 words and its end of turn
 HISTORY_TURNS = 6
 ASKED = "tokentape, asked"
+BARE = "bare forwarder"
 
 VOCABULARY = [
     *("def", "return", "self", "import", "from", "class", "for", "while", "if", "else", "None", "True"),
@@ -323,6 +328,13 @@ async def main(args: argparse.Namespace) -> None:
             command += [*admit, "--prompt-token-ids", "asked"]
             child = stack.enter_context(process(command, f"http://127.0.0.1:{port}/health", scratch / "asked.log"))
             asked = [Target(ASKED, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", child.pid)]
+        bare: list[Target] = []
+        if args.bare:
+            port = free_port()
+            command = [sys.executable, str(Path(__file__).with_name("bare_forwarder.py")), "--port", str(port)]
+            command += ["--engine", engine_url]
+            child = stack.enter_context(process(command, f"http://127.0.0.1:{port}/health", scratch / "bare.log"))
+            bare = [Target(BARE, f"http://127.0.0.1:{port}/sessions/{{session}}/v1", child.pid)]
         peer_command = [str(python), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(peer_port)]
         peer_command += ["--worker", f"{engine_url}/v1", "--db-path", str(scratch / "peer.db")]
         peer_command += ["--log-level", "warning"]
@@ -331,6 +343,7 @@ async def main(args: argparse.Namespace) -> None:
             Target("tokentape", f"http://127.0.0.1:{ours_port}/sessions/{{session}}/v1", ours.pid),
             *asked,
             Target(PEER_NAME, f"http://127.0.0.1:{peer_port}/sessions/{{session}}/v1", peer.pid),
+            *bare,
             Target("direct", f"{engine_url}/v1", None),
         ]
         for target in targets:  # warm up: imports, connections, templates
@@ -381,4 +394,5 @@ if __name__ == "__main__":
     parser.add_argument("--episodes", type=int, default=1, help="whole episodes per agent in a run")
     parser.add_argument("--histories", type=int, nargs="*", default=[1000, 8000, 32000, 115000])
     parser.add_argument("--asked", action=argparse.BooleanOptionalAction, default=True, help="add tokentape, asked")
+    parser.add_argument("--bare", action=argparse.BooleanOptionalAction, default=True, help="add the bare forwarder")
     asyncio.run(main(parser.parse_args()))
