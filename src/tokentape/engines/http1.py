@@ -283,11 +283,14 @@ class Http1Pool:
             body,
         ]
         self._bind()
-        try:
-            async with asyncio.timeout(self.pool_timeout):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise PoolTimeout(f"no connection came free within {self.pool_timeout:.0f} s") from None
+        if not self._slots.locked():
+            await self._slots.acquire()  # free: taken without waiting, and without a timer on the loop
+        else:
+            try:
+                async with asyncio.timeout(self.pool_timeout):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise PoolTimeout(f"no connection came free within {self.pool_timeout:.0f} s") from None
         handed_over = False
         try:
             conn = await self._exchange(request)
