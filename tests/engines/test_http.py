@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator
 
 import aiohttp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tokentape.engines.http import ConnectionPool, lines
+from tokentape.engines.http import ConnectionPool, lines, lines_ahead
 
 
 async def _serve_in_pieces(body: bytes, cuts: list[int]) -> tuple[asyncio.Server, str]:
@@ -58,3 +61,46 @@ async def test_a_pool_follows_the_running_loop() -> None:
     await first.close()
     assert pool.session() is not first  # a closed session is replaced on next use
     await pool.close()
+
+
+async def _from(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+def _expected_ahead(body: bytes, cuts: list[int]) -> list[tuple[bytes, bool]]:
+    """By offsets alone: each line, and whether a later line that is not blank ended (its `\\n`) within
+    the read that completed this one."""
+    ends = [i for i, byte in enumerate(body) if byte == ord("\n")]
+    reads = [*cuts, len(body)]
+    out: list[tuple[bytes, bool]] = []
+    start = 0
+    for k, end in enumerate(ends):
+        line = body[start:end].removesuffix(b"\r")
+        read_end = next(r for r in reads if r > end)  # the read that brought this line's `\n`
+        ahead = any(
+            body[ends[j - 1] + 1 if j else 0 : ends[j]].strip() for j in range(k + 1, len(ends)) if ends[j] < read_end
+        )
+        out.append((line, ahead))
+        start = end + 1
+    if start < len(body):
+        out.append((body[start:], False))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lines_=st.lists(
+        st.sampled_from([b"", b"data: {}", b'data: {"a": 1}', b": c", b"data: [DONE]", b"x\r"]), max_size=12
+    ),
+    cuts=st.lists(st.integers(1, 200), max_size=8),
+)
+async def test_lines_ahead_says_whether_a_later_line_came_in_the_same_read(
+    lines_: list[bytes], cuts: list[int]
+) -> None:
+    body = b"\n".join(lines_) + (b"\n" if lines_ else b"")
+    cuts = sorted({c for c in cuts if c < len(body)})
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True) if b > a]  # reads are never empty
+    got = [pair async for pair in lines_ahead(_from(chunks))]
+    assert got == _expected_ahead(body, cuts)
+    assert [line for line, _ in got] == [line async for line in lines(_from(chunks))]

@@ -23,7 +23,7 @@ from tests.support.fake_engines import (
     vllm_app,
 )
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint
+from tokentape.engines.base import Constraint, SampledToken, came_together
 from tokentape.engines.remote import RemoteEngine, SGLangEngine, VLLMEngine, VLLMGenerateEngine, make_engine
 from tokentape.engines.remote import client as remote_client
 from tokentape.engines.remote.client import EngineAnswered, mapped
@@ -101,6 +101,38 @@ async def test_tokens_and_logprobs_come_from_the_response(remote: tuple[RemoteEn
         assert sent["seed"] == 3 and sent["temperature"] == 0.7
     else:
         assert sent["token_ids"] == PROMPT and sent["sampling_params"]["logprobs"] >= 1
+
+
+@pytest.mark.parametrize("arrival", ["together", "one at a time", "whole"])
+async def test_tokens_read_together_are_marked_as_followed(
+    remote: tuple[RemoteEngine, FakeState], arrival: str
+) -> None:
+    """A stream passes the text of tokens that came together on as one (gateway/generation.py): a token
+    is marked as followed exactly when the next one was read with it, never when it came alone."""
+    engine, state = remote
+    taken = 0
+    if arrival == "together":
+        state.burst = True  # every event and the end in one write
+    elif arrival == "one at a time":
+
+        async def once_the_last_was_taken(index: int) -> None:  # event `index` waits for token index - 1
+            deadline = asyncio.get_running_loop().time() + 10
+            while taken < index:
+                assert asyncio.get_running_loop().time() < deadline, "the caller never took the last token"
+                await asyncio.sleep(0.002)
+
+        state.before_event = once_the_last_was_taken
+    params = SamplingParams(max_tokens=100, logprobs=True)
+    follows: list[bool] = []
+    async for token in engine.generate(PROMPT, params, seed=3, whole=arrival == "whole"):
+        follows.append(token.follows)
+        taken += 1
+    expected = script(PROMPT, 3)
+    assert len(follows) == len(expected)
+    if arrival == "together":  # the last one ends the answer: nothing follows it
+        assert follows == [True] * (len(expected) - 1) + [False]
+    else:
+        assert follows == [False] * len(expected)
 
 
 @WHOLE
@@ -436,3 +468,15 @@ async def test_a_head_that_does_not_come_keeps_the_engine_in_rotation(monkeypatc
     finally:
         await router.close()
         server.close()
+
+
+@pytest.mark.parametrize("more", [False, True])
+def test_the_tokens_of_one_event_follow_each_other(more: bool) -> None:
+    sampled = [SampledToken(7, -0.5, ((7, -0.5),), "raw", 3), SampledToken(8, -1.0), SampledToken(9, -2.0)]
+    marked = came_together(sampled, more)
+    assert [t.follows for t in marked] == [True, True, more]
+    fields = ("token_id", "logprob", "top_logprobs", "logprob_mode", "version")
+    assert [[getattr(t, f) for f in fields] for t in marked] == [[getattr(t, f) for f in fields] for t in sampled]
+    assert marked == sampled, "a hint for the stream alone: tokens compare as they were"
+    assert [t.follows for t in came_together(sampled[:1], more)] == [more]
+    assert came_together([], more) == []

@@ -13,7 +13,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,8 @@ class FakeState:
     queued: list[list[int]] = field(default_factory=list)  # answers to give next, exactly (logprob -0.5)
     token_ids_unasked: bool = False  # a vLLM-like server that sends `token_ids` even when not asked
     record: bool = True  # keep what was sent (`requests`, `session_headers`); off for long benchmarks
+    burst: bool = False  # a stream's events (and its end) in one write, as a gateway reads them when behind
+    before_event: Callable[[int], Awaitable[None]] | None = None  # awaited before each streamed event after the first
 
 
 def _take(
@@ -308,8 +310,14 @@ def _stream(state: FakeState, events: list[dict[str, Any]], *, disconnect_aborts
 
     async def lines() -> AsyncIterator[bytes]:
         try:
+            if state.burst:
+                data = [state.mangle(i, e) if state.mangle else json.dumps(e).encode() for i, e in enumerate(events)]
+                yield b"".join(b"data: " + d + b"\n\n" for d in data) + b"data: [DONE]\n\n"
+                return
             for i, event in enumerate(events):
                 await asyncio.sleep(state.delay)
+                if i and state.before_event is not None:
+                    await state.before_event(i)
                 data = state.mangle(i, event) if state.mangle else json.dumps(event).encode()
                 yield b"data: " + data + b"\n\n"
             yield b"data: [DONE]\n\n"

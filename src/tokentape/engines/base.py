@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tokentape.core.images import DecodedImage, ImageRun
@@ -16,6 +16,7 @@ __all__ = [
     "LogprobMode",
     "PromptImage",
     "SampledToken",
+    "came_together",
     "logprob_mode",
     "takes_images",
     "vllm_logprob_mode",
@@ -70,6 +71,21 @@ class SampledToken:
     # the weights version that sampled it, where the engine knows it (weights the trainer updates
     # behind the gateway's back, as verl's servers); None: the version the gateway dispatched under
     version: int | None = None
+    # another token of this generation came with it (one engine event, or events read together): a
+    # stream passes their text on in one delta. A hint for the stream alone, never recorded or compared.
+    follows: bool = field(default=False, compare=False)
+
+
+def came_together(tokens: list[SampledToken], more: bool) -> list[SampledToken]:
+    """The tokens of one streamed event, each but the last marked as followed by another; the last
+    too when `more` (another event was read with this one). An answer in one piece needs no marks."""
+    last = len(tokens) - 1
+    if last < 0 or (last == 0 and not more):
+        return tokens
+    return [
+        SampledToken(t.token_id, t.logprob, t.top_logprobs, t.logprob_mode, t.version, True) if i < last or more else t
+        for i, t in enumerate(tokens)
+    ]
 
 
 def logprob_mode(params: SamplingParams, *, scaled: bool, truncated_by: Sequence[str] = ()) -> LogprobMode:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import aiohttp
 
-__all__ = ["ConnectionPool", "lines"]
+__all__ = ["ConnectionPool", "lines", "lines_ahead"]
 
 
 class ConnectionPool:
@@ -62,6 +62,13 @@ class ConnectionPool:
 async def lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """A body's lines, without their line ends, however long (a cumulative event can run to
     megabytes) and however the bytes are split into chunks."""
+    async for line, _ in lines_ahead(chunks):
+        yield line
+
+
+async def lines_ahead(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, bool]]:
+    """`lines`, each with whether a later line that is not blank has been read already: the events
+    of one read came together, and a stream may pass them on together."""
     parts: list[bytes] = []
     async for chunk in chunks:
         if b"\n" not in chunk:
@@ -72,9 +79,12 @@ async def lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
             chunk = b"".join(parts)
             parts.clear()
         *complete, rest = chunk.split(b"\n")
-        for line in complete:
-            yield line[:-1] if line.endswith(b"\r") else line
+        last = len(complete) - 1  # the last complete line that is not blank (a blank one ends each event)
+        while last >= 0 and not complete[last].strip():
+            last -= 1
+        for index, line in enumerate(complete):
+            yield (line[:-1] if line.endswith(b"\r") else line), index < last
         if rest:
             parts.append(rest)
     if parts:
-        yield b"".join(parts)
+        yield b"".join(parts), False

@@ -8,7 +8,9 @@ generation the engine failed is marked (`engine_fault`): its tokens are not reco
 A caller that reads only the result (the client did not ask for a stream) gets one delta at the end
 instead of one per token, and when no stop string has to be watched token by token the engine is
 asked for the whole answer in one piece: one upstream answer instead of an event per token, for the
-engine as for the gateway.
+engine as for the gateway. Streamed, tokens that came together from the engine (`SampledToken.follows`:
+one event, or events read at once, as when the gateway falls behind) make one delta: what is sent
+never waits for a token that has not come.
 
 Weight updates (`gateway.versions`): a generation runs in segments, each pinned to one weights
 version when it is dispatched. An update that lets turns go on (continue, keep) stops the segment at
@@ -151,7 +153,8 @@ class ChoiceRun:
         return event
 
     async def stream(self) -> AsyncIterator[TextDelta]:
-        held: list[str] = []  # the text so far, for a caller that reads only the result
+        # the text so far, for a caller that reads only the result; streamed, what came with a token still to read
+        held: list[str] = []
         stopped_at: float | None = None  # when the last segment stopped at a seam
         while True:
             pin = await self.gate.enter()
@@ -259,8 +262,14 @@ class ChoiceRun:
                             text = self._accept(sample)
                             if not self.streamed:
                                 held.append(text)
-                            elif (event := self._delta(text)) is not None:
-                                yield event
+                            elif sample.follows and not self._ends_here(sample, pin):
+                                held.append(text)  # its text goes with the next token's, which came with it
+                            else:
+                                if held:
+                                    text = "".join(held) + text
+                                    held.clear()
+                                if (event := self._delta(text)) is not None:
+                                    yield event
                             if self._ends_here(sample, pin):
                                 break
                     finally:

@@ -27,7 +27,7 @@ import orjson
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, LogprobMode, SampledToken
-from tokentape.engines.http import ConnectionPool, lines
+from tokentape.engines.http import ConnectionPool, lines_ahead
 from tokentape.engines.http1 import Http1Pool, PoolTimeout, TransportError
 from tokentape.engines.remote.wire import json_object, quote, token_id, token_ids
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
@@ -271,9 +271,11 @@ class RemoteEngine:
         body: dict[str, Any],
         session_id: str | None,
         final: Callable[[dict[str, Any]], bool],
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[tuple[dict[str, Any], bool], None]:
         """POST `body` and yield each JSON event of the answer: the `data:` lines of an event stream, or
         the whole body when the server answered plain JSON. The response is closed on every way out.
+        Each comes with whether more of the answer was read with it (`lines_ahead`): events that came
+        together, which a stream may pass on as one.
 
         Before the `final` event (the one that says the generation finished) is yielded, the rest of
         the answer is read: the caller usually stops at that event's last token, and a response read
@@ -299,11 +301,11 @@ class RemoteEngine:
                     event = json_object(await response.read())
                     complete = True
                     response.release()  # back in the pool now, however long the caller keeps this open
-                    yield event
+                    yield event, False
                     return
-                stream = lines(response.chunks())
+                stream = lines_ahead(response.chunks())
                 last: dict[str, Any] | None = None
-                async for line in stream:
+                async for line, ahead in stream:
                     if not line.startswith(b"data:"):
                         continue  # blank separators, comments, `event:`/`id:` fields
                     payload = line[5:].strip()
@@ -316,7 +318,7 @@ class RemoteEngine:
                     if final(event):
                         last = event
                         break
-                    yield event
+                    yield event, ahead
                 else:
                     complete = True
                 if last is not None:
@@ -326,7 +328,7 @@ class RemoteEngine:
                                 pass
                             complete = True
                             response.release()
-                    yield last
+                    yield last, False
         finally:
             # a response read to its end returns its connection to the pool (released once); any other
             # is closed, which is how the engine learns that nobody reads this generation any more

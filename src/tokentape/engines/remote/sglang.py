@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, SampledToken, logprob_mode
+from tokentape.engines.base import Constraint, LogprobMode, SampledToken, came_together, logprob_mode
 from tokentape.engines.remote.client import run_to_completion
 from tokentape.engines.remote.updates import Need, UpdatableRemote
 from tokentape.engines.remote.wire import best_first, listed, logprob, quote, sampling_fields, wire_ids
@@ -135,7 +135,7 @@ class SGLangEngine(UpdatableRemote):
         finished = False
         events = self._events("/generate", body, session_id, _meta_finished)
         try:
-            async for event in events:
+            async for event, ahead in events:
                 meta = event.get("meta_info")
                 if not isinstance(meta, dict):
                     raise EngineProtocolError(f"the engine sent an event without meta_info: {quote(event)}")
@@ -146,7 +146,7 @@ class SGLangEngine(UpdatableRemote):
                 total = meta.get("completion_tokens")
                 incremental = type(total) is int and len(entries) < total
                 new = self._sglang_tokens(entries, tops, 0 if incremental else seen, params, mode)
-                for token in new:
+                for token in came_together(new, ahead) if not whole else new:
                     self.tokens_generated += 1
                     seen += 1
                     yield token

@@ -15,7 +15,14 @@ from typing import Any
 
 from tokentape.core.bounded import BoundedCache
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
+from tokentape.engines.base import (
+    Constraint,
+    LogprobMode,
+    PromptImage,
+    SampledToken,
+    came_together,
+    vllm_logprob_mode,
+)
 from tokentape.engines.remote.updates import Need, UpdatableRemote
 from tokentape.engines.remote.vllm_images import (
     RENDER_ROUTE,
@@ -172,10 +179,12 @@ class VLLMEngine(UpdatableRemote):
     ) -> AsyncGenerator[SampledToken, None]:
         """The tokens of one generation request, as the engine streams them."""
         mode = self.logprob_mode(params)
+        streamed = bool(body.get("stream"))
         events = self._events(self.path, body, session_id, _choice_finished)
         try:
-            async for event in events:
-                for token in self._tokens(event, params, mode):
+            async for event, ahead in events:
+                tokens = self._tokens(event, params, mode)
+                for token in came_together(tokens, ahead) if streamed else tokens:
                     self.tokens_generated += 1
                     yield token
         finally:
