@@ -5,12 +5,16 @@ them, is the gateway's CPU per sampled token.
 
 Harness: benchmarks/scripted_vllm.py (a test instrument that answers at once, Qwen2.5's vocabulary)
 with `--reply-cap` raised, so a text reply runs to `max_tokens`; tokentape calls its token route, the
-peer and direct its chat route; streamed, it sends one event per token, as vLLM does. Each call is
+peer and direct its chat route; streamed, it sends one event per token, as vLLM does: all at once by
+default (the events of a burst, as a gateway reads them when it falls behind the engine, and passes
+them on together), or `--event-gap-ms` apart (one token a read, as from an engine that samples one
+token a step while the gateway keeps up). Each call is
 one user message in a new session (the history stays short: this measures the reply alone), one
 call at a time, so each call's CPU is its own (read from /proc in 10 ms ticks, summed over
 `--calls` calls a cell).
 
-    python benchmarks/reply_tokens.py [--short 16] [--long 400] [--calls 60] [--rounds 3] [--baseline-commit REV]
+    python benchmarks/reply_tokens.py [--short 16] [--long 400] [--calls 60] [--rounds 3] [--event-gap-ms 0]
+        [--baseline-commit REV]
 
 `--baseline-commit REV` runs tokentape at that commit too (a git worktree), in the same rounds.
 """
@@ -56,10 +60,11 @@ async def cell(
         client = _client(http, base.format(session=f"{tag}-{i}"))
         request = {"model": "scripted", "messages": [{"role": "user", "content": f"Call {i}: go on."}]}
         if stream:
-            got = 0
+            text = ""
             async for chunk in await client.chat.completions.create(**request, max_tokens=tokens, stream=True):
-                got += sum(bool(c.delta.content) for c in chunk.choices)
-            assert got >= tokens - 2, f"{tag}: {got} streamed chunks for {tokens} tokens"
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+            words = len(text.split())  # a word a token, the end of the turn aside
+            assert words >= tokens - 2, f"{tag}: {words} words streamed for {tokens} tokens"
         else:
             reply = await client.chat.completions.create(**request, max_tokens=tokens)
             assert reply.usage is not None and reply.usage.completion_tokens == tokens, reply.usage
@@ -74,7 +79,8 @@ async def main(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, True)
         cap = str(max(args.long, args.short) + 1)
-        stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log", "--reply-cap", cap))
+        options = ["--reply-cap", cap, "--event-gap-ms", str(args.event_gap_ms)]
+        stack.enter_context(scripted_engine(engine_port, tokenizer, scratch / "engine.log", *options))
         command = tokentape_command(ours_port, engine, scratch / "t.sqlite3", tokenizer)
         ours = stack.enter_context(process(command, f"http://127.0.0.1:{ours_port}/health", scratch / "t.log"))
         peer_command = [str(peer_python()), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(peer_port)]
@@ -136,5 +142,8 @@ if __name__ == "__main__":
     parser.add_argument("--long", type=int, default=400, help="tokens of the long reply")
     parser.add_argument("--calls", type=int, default=60, help="calls a cell")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--event-gap-ms", type=float, default=0.0, help="the engine's pause between stream events (0: all at once)"
+    )
     parser.add_argument("--baseline-commit", action="append", default=[], help="also run tokentape at this commit")
     asyncio.run(main(parser.parse_args()))

@@ -22,6 +22,7 @@ route), one short answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -40,6 +41,7 @@ WORDS = [(1032, " the"), (1607, " model"), (7468, " answers"), (314, " a"), (174
 CONTEXT = 131_072
 TOOL_CALL_MAX_TOKENS = 48  # the marker: answer with a tool call
 REPLY_CAP = 16  # the most tokens a text reply has (--reply-cap), its end of turn included
+EVENT_GAP = 0.0  # seconds between a stream's events (--event-gap-ms); 0: all at once
 TOOL_CALL = {"name": "bash", "arguments": {"command": "grep -rn 'def parse' src/ | head -20"}}
 TOOL_CALL_TOKENS: list[tuple[int, str, float]] = []  # the call as Hermes text, in the vocabulary (--tokenizer)
 
@@ -106,6 +108,8 @@ async def _sse(send: Send, events: list[bytes]) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for event in events:
         await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
+        if EVENT_GAP:  # paced, as an engine that samples one token a step
+            await asyncio.sleep(EVENT_GAP)
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
@@ -238,8 +242,10 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokenizer", help="a Hugging Face model directory whose vocabulary to answer in")
     parser.add_argument("--reply-cap", type=int, default=REPLY_CAP, help="the most tokens a text reply has")
+    parser.add_argument("--event-gap-ms", type=float, default=0.0, help="pause between a stream's events")
     args = parser.parse_args()
     REPLY_CAP = args.reply_cap
+    EVENT_GAP = args.event_gap_ms / 1000
     if args.tokenizer:
         use_vocabulary(args.tokenizer)
     # idle keep-alive connections stay open for the whole run, so no gateway's pool races a server-side close
