@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import httpx
@@ -20,6 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from typer.testing import CliRunner
 
+from tests.support.fake_engines import serving
 from tokentape.cli import app as cli
 from tokentape.server.write_combining import FLUSH_AT_BYTES, CombinedWrites, WriteCombiningHttpTools
 
@@ -123,23 +123,8 @@ class Counting(WriteCombiningHttpTools):
         super().connection_made(Spy())  # type: ignore[arg-type]
 
 
-@contextlib.contextmanager
-def _served(app: Starlette) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", loop="uvloop", http=Counting)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+def _served(app: Starlette) -> contextlib.AbstractContextManager[str]:
+    return serving(app, loop="uvloop", http=Counting)
 
 
 def test_a_whole_answer_reaches_the_socket_in_one_write() -> None:

@@ -386,12 +386,13 @@ def sglang_app(state: FakeState) -> Starlette:
 
 
 @contextlib.contextmanager
-def serving(app: Starlette, host: str = "127.0.0.1") -> Iterator[str]:
-    """Run an ASGI app with uvicorn in a thread on a free loopback port (any of 127/8 on Linux)."""
+def serving(app: Starlette, host: str = "127.0.0.1", **options: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread on a free loopback port (any of 127/8 on Linux);
+    `options`: more of uvicorn's settings."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
