@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from tokentape.engines.http import lines
+from tokentape.engines.http import lines_ahead
 from tokentape.engines.http1 import Http1Pool, PoolTimeout, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -114,7 +114,7 @@ async def test_lines_survive_any_cut() -> None:
             http = pool(url)
             response = await http.post("/", b"{}", {})
             assert response.content_type == "text/event-stream"
-            got = [line async for line in lines(response.chunks())]
+            got = [line async for line, _ in lines_ahead(response.chunks())]
             response.release()
             await http.close()
         assert got == expected, (trial, [g[:40] for g in got])

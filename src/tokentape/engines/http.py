@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import aiohttp
 
-__all__ = ["ConnectionPool", "lines", "lines_ahead"]
+__all__ = ["ConnectionPool", "lines_ahead"]
 
 
 class ConnectionPool:
@@ -59,16 +59,11 @@ class ConnectionPool:
             await session.close()
 
 
-async def lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-    """A body's lines, without their line ends, however long (a cumulative event can run to
-    megabytes) and however the bytes are split into chunks."""
-    async for line, _ in lines_ahead(chunks):
-        yield line
-
-
 async def lines_ahead(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[bytes, bool]]:
-    """`lines`, each with whether a later line that is not blank has been read already: the events
-    of one read came together, and a stream may pass them on together."""
+    """A body's lines, without their line ends, however long (a cumulative event can run to
+    megabytes) and however the bytes are split into chunks; each with whether a later line that is
+    not blank has been read already (the events of one read came together, and a stream may pass
+    them on together)."""
     parts: list[bytes] = []
     async for chunk in chunks:
         if b"\n" not in chunk:
