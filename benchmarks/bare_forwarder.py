@@ -12,19 +12,15 @@ no template, no tokenizer, no store. A benchmark instrument, not a gateway.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 import uvicorn
+from scripted_vllm import Receive, Scope, Send, json_body  # the same ASGI plumbing (this directory is on the path)
 
 from tokentape.engines.http1 import Http1Pool
 from tokentape.server.write_combining import WriteCombiningHttpTools
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 JSON = [(b"content-type", b"application/json")]
 
 
@@ -34,7 +30,7 @@ def forwarder(engine: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         nonlocal pool
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
@@ -42,13 +38,7 @@ def forwarder(engine: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
             await send({"type": "http.response.start", "status": 200, "headers": JSON})
             await send({"type": "http.response.body", "body": b"{}"})
             return
-        parts = []
-        while True:
-            message = await receive()
-            parts.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = orjson.dumps(orjson.loads(b"".join(parts)))
+        body = orjson.dumps(await json_body(receive))
         if pool is None:
             pool = Http1Pool(engine, limit=4096, keepalive=600, connect_timeout=10, pool_timeout=600, read_timeout=600)
         answer = await pool.post("/v1/chat/completions", body, {"Content-Type": "application/json"})

@@ -81,7 +81,7 @@ def use_vocabulary(model_dir: str) -> None:
         TOOL_CALL_TOKENS.append((token, text[start:stop], -0.1 - 0.001 * i))
 
 
-async def _body(receive: Receive) -> dict[str, Any]:
+async def json_body(receive: Receive) -> dict[str, Any]:
     chunks = []
     while True:
         message = await receive()
@@ -228,9 +228,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     elif path == "/v1/models":
         await _json(send, {"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": CONTEXT}]})
     elif path == "/v1/chat/completions":
-        await chat(await _body(receive), send)
+        await chat(await json_body(receive), send)
     elif path == "/v1/completions":
-        await completions(await _body(receive), send)
+        await completions(await json_body(receive), send)
     else:
         await _json(send, {"object": "error", "message": f"no route {path}", "code": 404}, 404)
 
