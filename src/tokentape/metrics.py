@@ -27,6 +27,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 ENGINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # A store write is one SQLite transaction: well under a millisecond to tens of milliseconds.
 STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# How late the event loop's ticker woke (`server.loop_lag`): well under a millisecond when nothing holds it.
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class GatewayMetrics:
@@ -91,6 +93,16 @@ class GatewayMetrics:
             "Generations sent again with every image's tensors after the engine no longer held an image named by hash",
             registry=r,
         )
+        self._loop_lag = Histogram(
+            "tokentape_event_loop_lag_seconds",
+            "How late the event loop's ticker woke: how long one piece of work held every request",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self._loop_lag_max = Gauge(
+            "tokentape_event_loop_lag_max_seconds", "The longest the event loop was held since start", registry=r
+        )
+        self._longest_lag = 0.0
         ProcessCollector(registry=r)  # process_resident_memory_bytes and the rest, for this process
 
     # -- gauges, read when scraped ---------------------------------------------------------------------
@@ -138,6 +150,12 @@ class GatewayMetrics:
 
     def store_write(self, seconds: float) -> None:
         self._store.observe(seconds)
+
+    def loop_lag(self, seconds: float) -> None:
+        self._loop_lag.observe(seconds)
+        if seconds > self._longest_lag:
+            self._longest_lag = seconds
+            self._loop_lag_max.set(seconds)
 
     # -- exposition ------------------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -31,6 +31,7 @@ from tokentape.server.errors import handle_error, install_error_handlers, invali
 from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
 from tokentape.server.keys import SessionKeys
+from tokentape.server.loop_lag import watch_loop_lag
 from tokentape.server.middleware import Guard, GuardSettings
 from tokentape.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokentape.server.serving import DialectContext, Serving
@@ -113,7 +114,8 @@ def create_app(
         await gateway.start()
         if serving_process:
             settle_for_serving()
-        yield
+        async with watch_loop_lag(gateway.metrics.loop_lag):
+            yield
         if owns_gateway:
             await gateway.aclose()
 
