@@ -50,13 +50,13 @@ def _request(path: str, headers: list[tuple[bytes, bytes]], session_in_path: str
 
 def test_the_gateway_keys_unnamed_calls_cryptographically_and_named_ones_by_their_own_hash() -> None:
     serving = object.__new__(Serving)  # naming a caller reads no gateway unless it is a retry
-    unnamed = serving.caller(_request("/v1/chat/completions", []), None, BODY)
+    unnamed = serving.caller(_request("/v1/chat/completions", []), {}, BODY)
     assert unnamed.session_id is None
     assert unnamed.request_key == hashlib.sha256(b"/v1/chat/completions\0" + BODY).digest()[:16]
     named = [
-        (_request("/v1/chat/completions", [(b"x-session-id", b"s1")]), None),
-        (_request("/v1/chat/completions", []), "s1"),
-        (_request("/sessions/s1/v1/chat/completions", [], "s1"), None),
+        (_request("/v1/chat/completions", [(b"x-session-id", b"s1")]), {}),
+        (_request("/v1/chat/completions", []), {"session_id": "s1"}),
+        (_request("/sessions/s1/v1/chat/completions", [], "s1"), {}),
     ]
     for request, in_body in named:
         caller = serving.caller(request, in_body, BODY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # Importing a verb's module registers it; this order is the order `tokentape --help` lists them in.
 # isort: off
-from tokentape.cli import serve, status, demo, doctor, rollout, train, export, view, verl_config  # noqa: F401
+from tokentape.cli import serve, status, run, demo, doctor, rollout, train, export, view, verl_config  # noqa: F401
 
 # isort: on
 from tokentape.cli.root import app, main

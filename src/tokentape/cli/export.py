@@ -21,6 +21,11 @@ def export(
         None
     ),
     since: Annotated[float | None, typer.Option(help="Only sessions created at or after this Unix time.")] = None,
+    prefix: Annotated[str | None, typer.Option(help="Only sessions whose id starts with this.")] = None,
+    side_calls: Annotated[
+        str,
+        typer.Option(help="A harness's side calls (titles, summaries, subagents): false (left out), true, only."),
+    ] = "false",
     api_key: TrainerKey = None,
     max_lag: Annotated[
         int | None,
@@ -54,6 +59,8 @@ def export(
         "finished": None if finished is None else str(finished).lower(),
         "max_lag": max_lag,
         "lag_mode": lag_mode,
+        "prefix": prefix,
+        "side_calls": side_calls,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # a failed export never leaves a truncated dataset

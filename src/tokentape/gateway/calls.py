@@ -35,6 +35,8 @@ class ChatCall:
     images: Mapping[str, DecodedImage] = dataclasses.field(default_factory=dict)  # the request's, by digest
     # its messages hold image parts (set by the dialect that parsed them): only then are images looked for
     has_images: bool = False
+    # the agent harness whose id named the session (`core.episodes`): its side calls go to sessions of their own
+    harness: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

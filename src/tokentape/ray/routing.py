@@ -1,10 +1,10 @@
 """Requests reach the gateway that owns their session, wherever they arrive.
 
 Every gateway of a cluster (and the front process, which owns no session) wraps its app in
-`OwnerRouting`. A request names its session the usual ways (base URL path, `X-Session-ID` header,
-`session_id` body field; the path wins). If this process owns the session, its own app answers;
-otherwise the request goes to the owner through `Peers.forward` (a Ray actor call, streamed), so an
-agent may talk to any gateway. `GET /sessions` and `GET /export` gather every gateway's shard.
+`OwnerRouting`. A request names its session as every gateway reads it (`server.session_names`:
+base URL path, `X-Session-ID` header, `session_id` body field, a harness's own id). If this process
+owns the session, its own app answers; otherwise the request goes to the owner through
+`Peers.forward` (a Ray actor call, streamed), so an agent may talk to any gateway. `GET /sessions` and `GET /export` gather every gateway's shard.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tokentape.ray.asgi import App, HttpRequest, ResponseStart, collect, read_bo
 from tokentape.server.auth import offered_key, session_of_key
 from tokentape.server.dialects.registry import PATHS
 from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, reject
+from tokentape.server.session_names import named_session
 from tokentape.store.scan import encode_cursor
 
 __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
@@ -57,18 +58,21 @@ class Peers(Protocol):
 
 
 def session_of(request: HttpRequest) -> str | None:
-    """The session a request names: its path, else its header, else its body field."""
+    """The session a request names, read as every gateway reads it (`server.session_names`): the
+    body is parsed once, and only on a generation route; a name the owner would refuse is None here
+    (any gateway answers it with the same 400)."""
     if match := _SESSION_PATH.match(request.path):
         return match.group(1)
-    if header := request.header(b"x-session-id"):
-        return header.decode("latin-1")
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+    body: dict[str, Any] | None = None
     if request.method == "POST" and request.path.endswith(_BODY_NAMED) and request.body[:1] == b"{":
-        try:
-            value = orjson.loads(request.body).get("session_id")
-        except (orjson.JSONDecodeError, AttributeError):
-            return None
-        return value if isinstance(value, str) else None
-    return None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            parsed = orjson.loads(request.body)
+            body = parsed if isinstance(parsed, dict) else None
+    try:
+        return named_session(None, headers, body).session_id
+    except InvalidRequest:
+        return None
 
 
 def _valid(session_id: str | None) -> bool:

@@ -33,11 +33,13 @@ class SessionFilter:
     since: float | None = None  # created at or after
     until: float | None = None  # created before
     prefix: str | None = None  # session id prefix
+    side_calls: bool | None = None  # a harness's side-call sessions (metadata `side_of`): with them, without, only
 
     def matches(self, tree: SessionTree) -> bool:
         outcome = tree.outcome
         return (
-            (self.group_id is None or outcome.group_id == self.group_id)
+            (self.side_calls is None or ("side_of" in outcome.metadata) == self.side_calls)
+            and (self.group_id is None or outcome.group_id == self.group_id)
             and (self.finished is None or outcome.finished == self.finished)
             and (self.since is None or outcome.created_at >= self.since)
             and (self.until is None or outcome.created_at < self.until)

@@ -212,6 +212,8 @@ def _keys(db: sqlite3.Connection, where: SessionFilter, after: SessionKey | None
         params.append(where.group_id)
     if where.finished is not None:
         clauses.append(f"json_extract(outcome, '$.finished_at') IS {'NOT ' if where.finished else ''}NULL")
+    if where.side_calls is not None:
+        clauses.append(f"json_extract(outcome, '$.metadata.side_of') IS {'NOT ' if where.side_calls else ''}NULL")
     sql = f"SELECT created_at, id FROM sessions WHERE {' AND '.join(clauses)} ORDER BY created_at, id LIMIT ?"
     return [(r[0], r[1]) for r in db.execute(sql, (*params, limit))]
 
@@ -249,7 +251,8 @@ class SqliteStore:
         # FULL it waits for the disk (~5 ms), which never happens on an event loop's thread
         self._commit_inline = synchronous == "NORMAL"
         self._closing = threading.Lock()  # a job is either queued before the stop or refused
-        self._writer = Worker("store-writer", self._connect_writer)
+        # a ":memory:" store's data lives in its one connection: never replaced after a failure
+        self._writer = Worker("store-writer", self._connect_writer, reconnect=self.path != ":memory:")
         self._writer.start()
         self._writer.ready.result()
         self._reader = self._writer

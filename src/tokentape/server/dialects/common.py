@@ -68,6 +68,7 @@ class Caller:
     request_key: bytes  # names the request by where it went and what it said
     retry: bool  # an SDK retry: replay the recorded answer, never sample again
     trace_id: str | None = None
+    harness: str | None = None  # the agent harness whose own id named the session (`server.session_names`)
 
 
 # Sampling fields OpenAI's or vLLM's APIs define that no engine here applies: each is refused (400, naming
@@ -205,6 +206,7 @@ def chat_call(
         constraint=output_constraint(tools, tool_choice, response_format, tool_format),
         images=images or {},
         has_images=images is not None,
+        harness=caller.harness,
     )
 
 
