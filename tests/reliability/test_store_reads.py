@@ -27,6 +27,7 @@ from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.store import export as store_export
+from tokentape.store.datasets import parquet_rows
 from tokentape.store.export import dataset_pages, encode_dataset
 from tokentape.store.scan import SessionFilter, StoredSession, merge
 from tokentape.store.sqlite import SqliteStore
@@ -47,11 +48,7 @@ async def _chat(http: httpx.AsyncClient, session: str, turns: int) -> None:
 
 
 def _parquet_rows(data: bytes) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = pq.read_table(io.BytesIO(data)).to_pylist()
-    for row in rows:
-        if isinstance(row.get("metadata"), str):
-            row["metadata"] = json.loads(row["metadata"])
-    return rows
+    return parquet_rows(pq.read_table(io.BytesIO(data)))
 
 
 async def test_one_corrupt_session_never_breaks_the_others(

@@ -27,7 +27,7 @@ from tokentape.server.bodies import json_object
 from tokentape.server.errors import json_response
 from tokentape.server.keys import SessionKeys
 from tokentape.store.datasets import to_jsonl_bytes, to_parquet_bytes
-from tokentape.store.export import MEDIA_TYPES, OUTPUTS, Output, dataset_pages, encode_dataset
+from tokentape.store.export import MEDIA_TYPES, OUTPUTS, Output, dataset_pages, encode_dataset, started
 from tokentape.store.scan import SessionFilter, StoredSession, decode_cursor, encode_cursor
 from tokentape.viewer import page
 
@@ -328,7 +328,9 @@ def add_session_routes(
         pages = dataset_pages(
             lambda w: sessions.scan(w), where, fmt, skipped, lag=lag, weighting=rule, images=sessions.images.of_trees
         )
-        return StreamingResponse(encode_dataset(pages, fmt, out, skipped), media_type=MEDIA_TYPES[out])
+        # made up to its first chunk here: a failure before the first byte is an error response
+        body = await started(encode_dataset(pages, fmt, out, skipped))
+        return StreamingResponse(body, media_type=MEDIA_TYPES[out])
 
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict[str, Any]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -25,12 +24,20 @@ from tokentape.core.images import DecodedImage
 from tokentape.core.rollouts import Weighting
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagWindow
+from tokentape.errors import TokentapeError
+from tokentape.store.columns import parquet_schema, parquet_values
 from tokentape.store.scan import SessionFilter, StoredSession
 
-if TYPE_CHECKING:
-    import pyarrow as pa
-
-__all__ = ["ImageReader", "Output", "OUTPUTS", "Scan", "dataset_pages", "encode_dataset", "MEDIA_TYPES"]
+__all__ = [
+    "ImageReader",
+    "Output",
+    "OUTPUTS",
+    "Scan",
+    "dataset_pages",
+    "encode_dataset",
+    "MEDIA_TYPES",
+    "started",
+]
 
 log = logging.getLogger("tokentape.store")
 
@@ -41,22 +48,6 @@ Scan = Callable[[SessionFilter], AsyncIterator[StoredSession]]
 # the bytes of the images some sessions show, by digest (`ImageLibrary.of_trees`): trees hold facts only
 ImageReader = Callable[[list[SessionTree]], Awaitable[Mapping[str, DecodedImage]]]
 SESSIONS_PER_PAGE = 64  # sessions formatted together: bounds an export's memory
-PARQUET_TYPING_ROWS = 1024  # rows held back, at most, to learn each Parquet column's type
-_FLOAT_FIELDS = frozenset(
-    {
-        "reward",
-        "scores",
-        "turn_rewards",
-        "logprobs",
-        "rollout_log_probs",
-        "completion_logprobs",
-        "inference_logprobs",
-        "loss_weight",
-        "loss_weights",
-        "loss_coefficient",
-        "rewards",
-    }
-)
 
 
 async def _trees(scan: AsyncIterator[StoredSession], skipped: list[StoredSession]) -> AsyncIterator[SessionTree]:
@@ -118,7 +109,56 @@ async def encode_dataset(
 ) -> AsyncIterator[bytes]:
     """Bytes of the dataset as pages arrive. JSON: `{"object": "list", "format", "data": [...],
     "skipped": [{"session_id", "error"}]}`; JSON lines: one row per line; Parquet: one row group
-    per page or more, with the schema version and format in the file's metadata."""
+    per page or more, typed by the format's schema (`store.columns`), with the schema version and
+    format in the file's metadata.
+
+    Nothing is yielded before the first page is encoded, so a failure there raises before the
+    first byte (`started` turns it into an error response). A failure after it ends the body with
+    an error trailer, never silently short: JSON lines, a last line `{"error": {...}}` (no row has
+    that field); JSON, `"error": {...}` in place of `skipped`; Parquet, the line `{"error": {...}}`
+    where the footer would be, so no Parquet reader takes the file."""
+    sent = False
+    try:
+        async for chunk in _encoded(pages, fmt, output, skipped):
+            sent = sent or bool(chunk)
+            yield chunk
+    except Exception as exc:
+        if not sent:
+            raise
+        log.exception("an export failed after its first byte; its body ends with an error trailer")
+        error = orjson.dumps(_trailer_error(exc))
+        if output == "json":
+            yield b'],"error":' + error + b"}"
+        else:  # JSON lines end each row with a newline; Parquet bytes do not
+            yield (b"" if output == "jsonl" else b"\n") + b'{"error":' + error + b"}\n"
+
+
+def _trailer_error(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, TokentapeError):
+        return {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}
+    message = f"the export failed before its end ({type(exc).__name__}: {exc}); what came before is incomplete"
+    return {"message": message, "type": "server_error", "param": None, "code": "export_failed"}
+
+
+async def started(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks` with its first chunk already made: what fails before the first byte raises here,
+    before any response has started."""
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = b""
+
+    async def rest() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return rest()
+
+
+async def _encoded(
+    pages: AsyncIterator[list[dict[str, Any]]], fmt: Format, output: Output, skipped: list[StoredSession]
+) -> AsyncIterator[bytes]:
     if output == "parquet":
         async for chunk in _parquet(pages, fmt):
             yield chunk
@@ -128,13 +168,12 @@ async def encode_dataset(
             if rows:
                 yield b"".join(orjson.dumps(row) + b"\n" for row in rows)
         return
-    yield b'{"object":"list","format":' + orjson.dumps(fmt) + b',"data":['
-    first = True
-    async for rows in pages:
+    head = b'{"object":"list","format":' + orjson.dumps(fmt) + b',"data":['
+    async for rows in pages:  # the head goes out with the first rows
         if rows:
-            yield (b"" if first else b",") + b",".join(orjson.dumps(row) for row in rows)
-            first = False
-    yield b'],"skipped":' + _skipped_json(skipped) + b"}"
+            yield (head or b",") + b",".join(orjson.dumps(row) for row in rows)
+            head = b""
+    yield head + b'],"skipped":' + _skipped_json(skipped) + b"}"
 
 
 class _Chunks(io.RawIOBase):
@@ -162,67 +201,23 @@ class _Chunks(io.RawIOBase):
         return out
 
 
-def _flat(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # metadata is a free-form object: JSON text in Parquet, whose columns need one type
-    return [{**row, "metadata": json.dumps(row["metadata"])} if "metadata" in row else row for row in rows]
-
-
-def _settled_type(name: str, kind: pa.DataType) -> pa.DataType:
-    """A column's type for the whole file: floats where the format has numbers that may be
-    integers or missing on the first rows, text where every value seen so far was null."""
-    import pyarrow as pa
-
-    if pa.types.is_list(kind):
-        return pa.list_(_settled_type(name, kind.value_type))
-    if name in _FLOAT_FIELDS:
-        return pa.float64()
-    return pa.string() if pa.types.is_null(kind) else kind
-
-
-def _has_null_column(kind: pa.DataType) -> bool:
-    import pyarrow as pa
-
-    return _has_null_column(kind.value_type) if pa.types.is_list(kind) else pa.types.is_null(kind)
-
-
-def _types_unknown(rows: list[dict[str, Any]]) -> bool:
-    import pyarrow as pa
-
-    return not rows or any(_has_null_column(f.type) for f in pa.Table.from_pylist(rows).schema)
-
-
 async def _parquet(pages: AsyncIterator[list[dict[str, Any]]], fmt: Format) -> AsyncIterator[bytes]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     metadata = {"tokentape.schema_version": str(EXPORT_SCHEMA_VERSION), "tokentape.format": fmt}
+    schema = parquet_schema(fmt, metadata)  # the format's, whatever rows come first or last
     sink = _Chunks()
-    writer: pq.ParquetWriter | None = None
-    schema: pa.Schema | None = None
-    held: list[dict[str, Any]] = []
+    writer = pq.ParquetWriter(sink, schema)
 
     def write(rows: list[dict[str, Any]]) -> bytes:
-        nonlocal writer, schema
-        if schema is None:
-            inferred = pa.Table.from_pylist(rows).schema
-            fields = [pa.field(f.name, _settled_type(f.name, f.type)) for f in inferred]
-            schema = pa.schema(fields).with_metadata(metadata)
-            writer = pq.ParquetWriter(sink, schema)
-        assert writer is not None
-        writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        writer.write_table(pa.Table.from_pylist(parquet_values(rows, schema), schema=schema))
         return sink.drain()
 
     async for rows in pages:
-        held += _flat(rows)
-        if schema is None and len(held) < PARQUET_TYPING_ROWS and _types_unknown(held):
-            continue  # some column's type is not known yet
-        chunk = await asyncio.to_thread(write, held)
-        held = []
-        if chunk:
-            yield chunk
-    if held:
-        yield await asyncio.to_thread(write, held)
-    if writer is None:  # no rows at all: an empty table, still with the metadata
-        writer = pq.ParquetWriter(sink, pa.schema([]).with_metadata(metadata))
+        if rows:
+            chunk = await asyncio.to_thread(write, rows)
+            if chunk:
+                yield chunk
     writer.close()
     yield sink.drain()
