@@ -135,6 +135,17 @@ fuzz: setup  ## the adversarial suite: 4 x FUZZ_BATCHES requests against a live 
 	TOKENTAPE_FUZZ_EXAMPLES=$(FUZZ_BATCHES) $(PY) -m pytest tests/reliability/test_fuzz.py -p no:randomly -p no:cacheprovider --timeout=0 -q
 	@cat test-output/fuzz.json
 
+# The coding-agent harnesses at pinned versions (tests/e2e/harnesses/install.py), installed once into
+# ~/.cache/tokentape/harnesses/<name>-<version> (npm; a virtualenv for mini-swe-agent) and reused, each
+# run unmodified through a two-turn tool episode against a live gateway, the tape checked token for token.
+HARNESSES_CACHE ?= $(HOME)/.cache/tokentape/harnesses
+.PHONY: e2e-harnesses
+e2e-harnesses: setup  ## Claude Code, Codex, opencode, mini-swe-agent (pinned, cached) unmodified through the gateway
+	@start=$$(date +%s); \
+	TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) $(PY) tests/e2e/harnesses/install.py && \
+	TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) $(PY) -m pytest tests/e2e/harnesses -p no:randomly -p no:cacheprovider -n0 -rs -v; \
+	status=$$?; echo "make e2e-harnesses: $$(( $$(date +%s) - start )) s"; exit $$status
+
 e2e-vllm: setup  ## a real vLLM (CPU build, own venv) behind the gateway: exactness, n=2, stops, aborts, tok/s, images
 	@if [ ! -f $(VLLM_VENV)/.installed-stamp-torchvision ]; then \
 		test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV); \
