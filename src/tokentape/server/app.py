@@ -25,6 +25,12 @@ from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
 from tokentape.server.bodies import json_object
+from tokentape.server.dialects.anthropic import (
+    COUNT_TOKENS_PATH,
+    AnthropicMessages,
+    CountTokensRequest,
+    count_tokens_route,
+)
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.server.dialects.registry import DIALECTS
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
@@ -150,6 +156,9 @@ def create_app(
     for path, (dialect, handler) in generation.items():
         schema = _body_schema(dialect.request_model)
         dialect_routes.add_api_route(path, handler, methods=["POST"], openapi_extra=schema)
+    counting = count_tokens_route(serving, AnthropicMessages(context))  # records nothing: off the lean path
+    count_schema = _body_schema(CountTokensRequest)
+    dialect_routes.add_api_route(COUNT_TOKENS_PATH, counting, methods=["POST"], openapi_extra=count_schema)
 
     # -- OpenAI's other routes ----------------------------------------------------------------------
     openai_routes = APIRouter()

@@ -3,7 +3,8 @@ this module decides.
 
 Two kinds of key. Trainer keys (`serve --api-key`, `TOKENTAPE_API_KEYS`) may call every route. A
 session key, issued by `POST /sessions`, belongs to that session alone: it may call the generation
-routes (every dialect, the token route, tokenize/detokenize, models) under its session's base URL,
+routes (every dialect and Messages' token count, the token route, tokenize/detokenize, models) under
+its session's base URL,
 or at the root, where the key itself names the session (a header or body field naming another
 session is refused). Everything else is refused with 403: rewards, finish, export, listings,
 deletes, other sessions, /admin, /metrics, /view, /docs. In agent RL the agent is what is optimised
@@ -30,7 +31,7 @@ import orjson
 
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.sessions import check_session_id
-from tokentape.server.dialects.registry import PATHS
+from tokentape.server.dialects.registry import PATHS, SIDE_PATHS
 
 __all__ = [
     "GENERATION_ROUTES",
@@ -54,7 +55,7 @@ _TAIL = _SECRET_CHARS + 1  # "." + secret
 # The routes that sample (the per-key limit and `--session-keys required` are about these).
 GENERATION_ROUTES = frozenset(PATHS)  # every dialect's route
 # What a session key may call, at the root or under its session's base URL.
-SESSION_KEY_ROUTES = GENERATION_ROUTES | {"/v1/tokenize", "/v1/detokenize", "/v1/models", "/v1/health"}
+SESSION_KEY_ROUTES = GENERATION_ROUTES | {*SIDE_PATHS, "/v1/tokenize", "/v1/detokenize", "/v1/models", "/v1/health"}
 _GENERATION_SUFFIXES = tuple(GENERATION_ROUTES)
 _ROOT_ONLY = frozenset({"/tokenize", "/detokenize", "/health"})  # these live at the root alone
 _SESSIONS = "/sessions/"
@@ -144,7 +145,7 @@ def decide(
         return Refusal(
             403,
             "a session key may only call the generation routes of its own session (chat, completions, "
-            "responses, messages, generate, tokenize, detokenize, models)",
+            "responses, messages and its token count, generate, tokenize, detokenize, models)",
             "session_key_forbidden",
         )
     if kind is Kind.TRAINER:

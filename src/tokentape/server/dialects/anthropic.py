@@ -1,9 +1,20 @@
-"""Anthropic Messages (`POST /v1/messages`) <-> the gateway's chat turn.
+"""Anthropic Messages (`POST /v1/messages`) <-> the gateway's chat turn, and its token count
+(`POST /v1/messages/count_tokens`).
 
-Requests: `system` becomes the system message; content blocks become chat messages (`tool_use` ->
-the assistant's tool calls, `tool_result` -> tool messages, `thinking` -> the assistant's reasoning);
-tools with `input_schema` become chat tools; `tool_choice` {auto, any, tool, none} the chat forms;
-`stop_sequences` stop strings. An assistant message echoed back is recognised as the reply that was
+Requests: `system` becomes the system message (a text block that starts with Claude Code's
+`x-anthropic-billing-header:` is left out: a per-request attribution line, not instructions); a
+`system` message inside `messages` becomes a system message at its place; content blocks become chat
+messages (`tool_use` -> the assistant's tool calls, `tool_result` -> tool messages, `thinking` -> the
+assistant's reasoning); tools with `input_schema` become chat tools; `tool_choice` {auto, any, tool,
+none} the chat forms; `stop_sequences` stop strings. `thinking` `enabled` or `adaptive` turns the
+template's thinking switch on (`enable_thinking`), `disabled` or none off; `display: omitted` answers
+thinking blocks with empty text (the tape keeps every sampled token). What Anthropic's API keeps or
+bills on its side is accepted and has no effect here: `cache_control` on any block, `metadata`,
+`output_config.effort`, a thinking budget, tools' `defer_loading`, and the `clear_thinking_20251015`
+context edit (which earlier reasoning the model sees is the chat template's rule; a history the
+client changed goes through the rewrite policy). Other context edits are refused in Anthropic's
+words, which Claude Code reads as "stop sending it". The full table of fields is in
+docs/guides/harness-fields.md. An assistant message echoed back is recognised as the reply that was
 returned (its tool_use input compared as parsed JSON), so the tape extends.
 
 Responses: built as the `anthropic` package's own `Message` and stream-event types (validated), with
@@ -24,22 +35,31 @@ from typing import Annotated, Any
 import pydantic
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
+from tokentape.core.sampling import SamplingParams
+from tokentape.core.session import SessionTree
 from tokentape.core.tape import FinishReason
 from tokentape.engines.base import SampledToken
 from tokentape.engines.remote.wire import wire_ids
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import Call, ChatCall, ChoiceDone, Event, Started, TextDelta
+from tokentape.render.renderer import RenderOptions
+from tokentape.server.bodies import json_object
 from tokentape.server.dialects import common
 from tokentape.server.dialects.common import Caller, ChatFields, Number, chat_call, sampling_from_wire
 from tokentape.server.dialects.images import ImageIntake, LazyIntake, joined, text_only_intake, text_part
 from tokentape.server.dialects.wire import TokenText, named_sse
-from tokentape.server.errors import ANTHROPIC_ERRORS
+from tokentape.server.errors import ANTHROPIC_ERRORS, invalid_from_validation, json_response, use_error_shape
 from tokentape.server.protocol import MAX_MESSAGES
-from tokentape.server.serving import Dialect, DialectContext
+from tokentape.server.serving import Dialect, DialectContext, Serving
 
 __all__ = [
+    "COUNT_TOKENS_PATH",
+    "CountTokensRequest",
+    "count_tokens_route",
     "MessagesRequest",
     "MessageShaper",
     "chat_messages",
@@ -51,22 +71,41 @@ __all__ = [
 ]
 
 
-class MessagesRequest(ChatFields):
+class CountTokensRequest(ChatFields):
+    """`POST /v1/messages/count_tokens`: what decides the prompt, none of what decides the reply."""
+
     model: StrictStr
-    max_tokens: StrictInt
     messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt
     stop_sequences: list[StrictStr] | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
-    metadata: dict[str, Any] | None = None
+    # {"format": {"type": "json_schema", "schema": ...}, "effort": "high"}
+    output_config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # accepted: Claude Code's `user_id` names its session
     # what trainers add, besides ChatFields
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+
+
+# Claude Code's first system block: an attribution line that changes with every version and entry
+# point (`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;`). Anthropic reads it and
+# keeps it out of the prompt; so does vLLM's Messages route. A block starting with exactly this text.
+BILLING_HEADER = "x-anthropic-billing-header:"
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+THINKING_DISPLAYS = ("summarized", "omitted")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Context edits of state Anthropic's API keeps: which earlier thinking it shows the model. Here the
+# chat template decides that, and the tape keeps every sampled token: accepted, nothing to do.
+ACCEPTED_CONTEXT_EDITS = ("clear_thinking_20251015",)
 
 
 # -- requests --------------------------------------------------------------------------------------
@@ -124,21 +163,43 @@ def _tool_result(result: Any, where: str, intake: Callable[[], ImageIntake]) -> 
     return joined(parts)
 
 
+def system_prompt(system: str | Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The `system` field's text, without the billing-header block Claude Code puts first."""
+    if not system:
+        return None
+    if isinstance(system, str):
+        return system
+    blocks = _blocks(system, "system")
+    kept = [
+        block
+        for block in blocks
+        if not (block.get("type") == "text" and str(block.get("text", "")).startswith(BILLING_HEADER))
+    ]
+    return _plain_text(kept, "system") if kept else None
+
+
 def chat_messages(
     system: str | Sequence[Mapping[str, Any]] | None,
     messages: Sequence[Mapping[str, Any]],
     intake: Callable[[], ImageIntake] | None = None,
 ) -> list[dict[str, Any]]:
-    """Messages as chat messages; `intake` gives the request's image intake (made on the first image)."""
+    """Messages as chat messages; `intake` gives the request's image intake (made on the first image).
+    A `system` message inside `messages` (Claude Code sends its environment so, after the first user
+    turn) stays a system message at its place; whether the template can render it there is the
+    renderer's to say."""
     images = intake or text_only_intake
     out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": _plain_text(system, "system")})
+    prompt = system_prompt(system)
+    if prompt is not None:
+        out.append({"role": "system", "content": prompt})
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise InvalidRequest(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequest(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")
+        if role == "system":
+            out.append({"role": "system", "content": _plain_text(message.get("content"), where)})
+            continue
         blocks = _blocks(message.get("content"), where)
         if role == "assistant":
             out.append(_assistant(blocks, where))
@@ -222,6 +283,56 @@ def chat_tool_choice(tool_choice: Mapping[str, Any] | None) -> str | dict[str, A
     raise InvalidRequest("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
 
 
+def thinking_on(thinking: Mapping[str, Any] | None) -> bool:
+    """Whether `thinking` turns the template's thinking switch on: `enabled` and `adaptive` (the
+    model decides how much to think, as a template with the switch on lets it) do, `disabled` and
+    no `thinking` do not. A budget is accepted with no effect: no engine here caps the reasoning
+    apart from the reply."""
+    if thinking is None:
+        return False
+    kind, display = thinking.get("type"), thinking.get("display")
+    if kind not in THINKING_TYPES:
+        raise InvalidRequest("thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type")
+    if display is not None and display not in THINKING_DISPLAYS:
+        raise InvalidRequest("thinking.display must be 'summarized' or 'omitted'", param="thinking.display")
+    return bool(kind != "disabled")
+
+
+def thinking_shown(thinking: Mapping[str, Any] | None) -> bool:
+    """Whether thinking blocks carry their text: not with `display: omitted` (they come with empty
+    text, as Anthropic sends them; the tokens are on the tape and in `token_ids` all the same)."""
+    return (thinking or {}).get("display") != "omitted"
+
+
+def check_context_edits(context_management: Mapping[str, Any] | None, model: str) -> None:
+    """Context edits change state Anthropic's API keeps. `clear_thinking_20251015` is accepted (the
+    chat template decides which earlier reasoning it renders; a client that drops thinking blocks
+    from its history changes that history, which the rewrite policy handles). Any other edit, such as
+    clearing old tool results, would change what the model sees without the client knowing: refused
+    in Anthropic's words, on which Claude Code stops sending it and keeps the tool results."""
+    if context_management is None:
+        return
+    edits = context_management.get("edits", [])
+    if not isinstance(edits, list):
+        raise InvalidRequest("context_management.edits must be a list", param="context_management.edits")
+    for j, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, Mapping) else None
+        if kind not in ACCEPTED_CONTEXT_EDITS:
+            raise InvalidRequest(
+                f"{model} does not support the `{kind}` context management strategy",
+                param=f"context_management.edits[{j}].type",
+            )
+
+
+def check_effort(output_config: Mapping[str, Any] | None) -> None:
+    """`output_config.effort` is Anthropic's dial for how thoroughly Claude works (thinking, tool
+    calls, length). No engine or chat template here has it: accepted with no effect (a template that
+    reads a variable for it gets one through `chat_template_kwargs`)."""
+    effort = (output_config or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise InvalidRequest(f"output_config.effort must be one of {', '.join(EFFORTS)}", param="output_config.effort")
+
+
 # -- responses -------------------------------------------------------------------------------------
 def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
@@ -239,6 +350,7 @@ class MessageShaper:
         tokens: TokenText,
         stopped_by: Any,
         show_prompt: bool = True,
+        show_thinking: bool = True,
     ) -> None:
         self.req = req
         self.id = f"msg_{uuid.uuid4().hex}"
@@ -247,6 +359,7 @@ class MessageShaper:
         self.prompt_tokens = len(prompt)
         self.prompt_field = {"prompt_token_ids": self.prompt} if show_prompt else {}
         self.tokens = tokens
+        self.show_thinking = show_thinking  # `display: omitted`: thinking blocks with empty text
         self._stopped_by = stopped_by  # (tokens, finish reason) -> (stop_reason, stop_sequence)
         self._index = -1
         self._open: str | None = None  # the kind of the block being streamed
@@ -258,7 +371,8 @@ class MessageShaper:
         reply = done.reply
         blocks: list[dict[str, Any]] = []
         if reply.reasoning:
-            blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+            shown = reply.reasoning if self.show_thinking else ""
+            blocks.append({"type": "thinking", "thinking": shown, "signature": ""})
         if reply.content or not (reply.reasoning or reply.tool_calls):
             blocks.append({"type": "text", "text": reply.content})
         for call in reply.tool_calls:
@@ -332,11 +446,12 @@ class MessageShaper:
         if event.reasoning:
             if self._open != "thinking":
                 yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
-            yield {
-                "type": "content_block_delta",
-                "index": self._index,
-                "delta": {"type": "thinking_delta", "thinking": event.reasoning},
-            }
+            if self.show_thinking:
+                yield {
+                    "type": "content_block_delta",
+                    "index": self._index,
+                    "delta": {"type": "thinking_delta", "thinking": event.reasoning},
+                }
         if event.text:
             if self._open == "thinking":
                 yield {
@@ -414,11 +529,35 @@ class AnthropicMessages(Dialect[MessagesRequest]):
         self.reasoning = context.reasoning  # the template reads `enable_thinking`
         self._end_of_turn = context.tokenizer.end_of_turn_ids
 
-    def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
+    def _prompt_parts(
+        self, req: CountTokensRequest
+    ) -> tuple[list[dict[str, Any]], LazyIntake, list[dict[str, Any]] | None, Any, dict[str, Any] | None]:
+        """What decides the prompt: the messages (and their images), the tools, the tool choice and
+        the template's thinking switch; shared by generation and `count_tokens`."""
+        check_context_edits(req.context_management, req.model)
         images = LazyIntake(self.context.image_intake)
         messages = chat_messages(req.system, req.messages, images)
         if not any(m["role"] != "system" for m in messages):
             raise InvalidRequest("messages must not be empty", param="messages")
+        switch = thinking_on(req.thinking)
+        thinking = {"enable_thinking": switch} if self.reasoning else None
+        return messages, images, chat_tools(req.tools), chat_tool_choice(req.tool_choice), thinking
+
+    def count_call(self, req: CountTokensRequest) -> ChatCall:
+        """A count request as the chat call a generation with the same prompt would make."""
+        messages, images, tools, _, thinking = self._prompt_parts(req)
+        kwargs = thinking if req.chat_template_kwargs is None else {**(thinking or {}), **req.chat_template_kwargs}
+        return ChatCall(
+            messages=messages,
+            sampling=SamplingParams(),
+            options=RenderOptions(tools=tools, template_kwargs=kwargs),
+            images=images.images or {},
+            has_images=images.images is not None,
+        )
+
+    def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
+        messages, images, tools, choice, thinking = self._prompt_parts(req)
+        check_effort(req.output_config)
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as on chat completions
         sampling = sampling_from_wire(
             req,
@@ -428,9 +567,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             stop=req.stop_sequences,
             names={"stop": "stop_sequences"},
         )
-        tools, choice = chat_tools(req.tools), chat_tool_choice(req.tool_choice)
         answer_format = (req.output_config or {}).get("format")
-        thinking = {"enable_thinking": (req.thinking or {}).get("type") == "enabled"} if self.reasoning else None
         return chat_call(
             req,
             caller,
@@ -462,6 +599,7 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             tokens=TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids)),
             stopped_by=stopped_by,
             show_prompt=self.shows_prompt(req),
+            show_thinking=thinking_shown(req.thinking),
         )
 
     def respond(self, req: MessagesRequest, call: Call, started: Started, choices: list[ChoiceDone]) -> dict[str, Any]:
@@ -481,3 +619,32 @@ class AnthropicMessages(Dialect[MessagesRequest]):
             elif isinstance(event, ChoiceDone):
                 for shaped in shaper.closing(event):
                     yield named_sse(shaped)
+
+
+# -- counting tokens -------------------------------------------------------------------------------
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # also under /sessions/{session_id}
+
+
+def count_tokens_route(serving: Serving, dialect: AnthropicMessages) -> Callable[[Request], Any]:
+    """`POST /v1/messages/count_tokens`: the number of prompt tokens a generation with the same
+    messages, system, tools, tool choice and thinking would send the engine, as a new conversation
+    (`{"input_tokens": N}`). Planned exactly as a generation's first prompt is (same template, same
+    tools, images expanded), on a session of its own that nothing keeps: nothing is recorded. Inside
+    a session whose tape holds sampled tokens the template would render otherwise (reasoning it
+    strips, re-serialised tool arguments), the engine's prompt is the tape's and can differ by those."""
+
+    async def count_tokens(request: Request) -> Response:
+        use_error_shape(request, ANTHROPIC_ERRORS)
+        raw = await json_object(request)
+        try:
+            req = CountTokensRequest.model_validate(raw)
+        except pydantic.ValidationError as exc:
+            raise invalid_from_validation(exc) from exc
+        serving.check_model(req.model)
+        plan = await serving.gateway.planner.chat(SessionTree("count-tokens"), dialect.count_call(req))
+        body: dict[str, Any] = {"input_tokens": len(plan.prompt)}
+        if req.context_management is not None:  # no edit here removes anything
+            body["context_management"] = {"original_input_tokens": len(plan.prompt)}
+        return json_response(body)
+
+    return count_tokens

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokentape.server.dialects.anthropic import AnthropicMessages
+from tokentape.server.dialects.anthropic import COUNT_TOKENS_PATH, AnthropicMessages
 from tokentape.server.dialects.generate import VLLMGenerate
 from tokentape.server.dialects.openai_chat import OpenAIChat, OpenAICompletions
 from tokentape.server.dialects.responses import OpenAIResponses
 from tokentape.server.errors import OPENAI_ERRORS, ErrorShape
 from tokentape.server.serving import Dialect
 
-__all__ = ["DIALECTS", "PATHS", "shape_for_path"]
+__all__ = ["DIALECTS", "PATHS", "SIDE_PATHS", "shape_for_path"]
 
 DIALECTS: tuple[type[Dialect[Any]], ...] = (
     OpenAIChat,
@@ -26,7 +26,9 @@ DIALECTS: tuple[type[Dialect[Any]], ...] = (
     VLLMGenerate,
 )
 PATHS = tuple(dialect.path for dialect in DIALECTS)  # each also served under /sessions/{session_id}
-_SHAPES = {dialect.path: dialect.errors for dialect in DIALECTS}
+# a dialect's routes that sample nothing and record nothing (Messages' token count), also under a session
+SIDE_PATHS = (COUNT_TOKENS_PATH,)
+_SHAPES = {dialect.path: dialect.errors for dialect in DIALECTS} | {COUNT_TOKENS_PATH: AnthropicMessages.errors}
 
 
 def shape_for_path(path: str) -> ErrorShape:
