@@ -43,6 +43,7 @@ __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "
 SESSION_HEADER = "x-session-id"
 PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
+CLIENT_GONE = 499  # the status of a whole answer whose client left before it was made (nginx's code)
 _NAMED_KEY_SEED = 0x746F6B656E746170  # fixed: keys are stored with their turns
 
 Req = TypeVar("Req", bound=WireRequest)
@@ -146,6 +147,8 @@ class Serving:
                 headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
             if not streams:
                 choices = await _until_done_or_gone(request, events)
+                if choices is None:  # the client left: nobody reads an answer, and none is made
+                    return Response(status_code=CLIENT_GONE, headers=headers)
                 return json_response(dialect.respond(req, call, started, choices), headers=headers)
             body = _framed(dialect, dialect.stream(req, call, started, events), events)
             return EventStream(body, media_type=dialect.media_type, headers=headers)
@@ -266,10 +269,10 @@ class EventStream(StreamingResponse):
             await self.background()
 
 
-async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone]:
+async def _until_done_or_gone(request: Request, events: AsyncGenerator[Event, None]) -> list[ChoiceDone] | None:
     """Collect a non-streamed response; if the client goes away first, stop generating (the turn is
-    recorded as aborted with what was sampled, and nobody reads the answer: none is returned)."""
-    choices: list[ChoiceDone] = []
+    recorded as aborted with what was sampled, and nobody reads the answer: None is returned)."""
+    choices: list[ChoiceDone] | None = None
     async with _until_gone(request.receive), contextlib.aclosing(events) as stream:
         choices = [event async for event in stream if isinstance(event, ChoiceDone)]
     return choices
