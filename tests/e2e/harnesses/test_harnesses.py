@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -158,6 +159,7 @@ class Case:
     tool: str  # its shell tool's name
     arguments: dict[str, Any]  # turn 1's arguments for it
     prepare: Callable[[Harness, str, Path], Run]
+    session: str  # the episode's session id, as a pattern: the harness's own id, or the base URL's
     final: Callable[[], str] = field(default=lambda: FINAL)  # turn 2's text
 
 
@@ -242,18 +244,23 @@ def mini_swe_agent(harness: Harness, url: str, home: Path) -> Run:
     return Run(argv, env)
 
 
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent ends its episode on this command
 
 CASES = {
-    "claude-code": Case(HARNESSES["claude-code"], "Bash", {"command": COMMAND}, claude_code),
-    "codex": Case(HARNESSES["codex"], "exec_command", {"cmd": COMMAND}, codex),
-    "opencode": Case(HARNESSES["opencode"], "bash", {"command": COMMAND}, opencode),
+    # X-Claude-Code-Session-Id
+    "claude-code": Case(HARNESSES["claude-code"], "Bash", {"command": COMMAND}, claude_code, UUID),
+    # session-id / thread-id headers, prompt_cache_key
+    "codex": Case(HARNESSES["codex"], "exec_command", {"cmd": COMMAND}, codex, UUID),
+    # its x-session-id header
+    "opencode": Case(HARNESSES["opencode"], "bash", {"command": COMMAND}, opencode, r"ses_\w+"),
     # its episode ends with a tool call, not text: the submit command (which it does not run)
     "mini-swe-agent": Case(
         HARNESSES["mini-swe-agent"],
         "bash",
         {"command": COMMAND},
         mini_swe_agent,
+        "mini-swe-agent-run",
         final=lambda: f"Done.\n{hermes_call('bash', {'command': SUBMIT})}",
     ),
 }
@@ -344,6 +351,7 @@ def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureR
     summary = {sid: (len(e["branches"]), [len(b["tokens"]) for b in e["branches"]]) for sid, e in exports.items()}
     assert len(episodes) == 1, f"{report}\nsessions (branches, tokens): {summary}"
     assert len(listed) == 1 + run.side_sessions, f"{report}\nsessions (branches, tokens): {summary}"
+    assert re.fullmatch(case.session, episodes[0]), f"{report}\nthe episode's session: {episodes[0]}"
     (branch,) = exports[episodes[0]]["branches"]
     sampled_at = {*range(len(first.prompt), len(head)), *range(len(second.prompt), len(expected_tape))}
     assert [i for i, m in enumerate(branch["loss_mask"]) if m] == sorted(sampled_at), report
