@@ -10,6 +10,7 @@ front goes the part of the turn close the engine did not sample.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from tokentape.core.images import has_images
 from tokentape.core.messages import Message, json_or, same_inputs, template_inputs
 from tokentape.core.reply import THINK_CLOSE, THINK_OPEN, ToolFormat
 from tokentape.errors import InvalidRequest
+from tokentape.render.bounds import PromptTooLong, TokenFloor, probe_verbatim
 from tokentape.render.probe import AnchorVerdict, AnchorVerdicts, ProbeOptions, anchor
 from tokentape.render.quoting import QuotedSpecials
+from tokentape.render.roles import RoleSupport, map_roles
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.render.vision import VisionProcessor
@@ -115,6 +118,7 @@ class Renderer:
         self.native_tool_calls = detected is not None  # the template renders tool calls in history
         self.tool_format: ToolFormat = detected or "hermes"
         self.reasoning = THINK_CLOSE in template.source
+        self.roles = RoleSupport.probe(template)  # developer -> system where the template has no such role
         self.arguments_as_objects = self._takes_object_arguments()
         self.turn_close = self._derive_turn_close()
         # Templates that carry state across messages (DeepSeek-R1 opens its tool outputs once per
@@ -181,10 +185,32 @@ class Renderer:
             raise ValueError("cannot derive the turn close from this chat template")
         return close
 
+    # -- bounds ------------------------------------------------------------------------------------
+    @functools.cached_property
+    def floor(self) -> TokenFloor | None:
+        """Lower bounds on token counts from text lengths (`render.bounds`); None where the tokenizer
+        has none. Made once, in tenths of a second (the vocabulary is read and the template probed):
+        the gateway asks for it off the event loop."""
+        span: int | None = getattr(self.tokenizer, "longest_token_bytes", None)
+        if span is None:
+            return None
+        if self._quoted is not None:  # a quoted vision-token string is a marker of about 23 characters
+            span = max(span, 32)
+        return TokenFloor(span, probe_verbatim(lambda m, tools: self.render_text(m, True, RenderOptions(tools))))
+
+    def _check_room(self, text: str, room: int | None) -> None:
+        """Refuse, before tokenizing it, a rendered text that holds more than `room` tokens by its length alone."""
+        floor = self.floor if room is not None else None
+        if floor is not None and room is not None and floor.of_text(text) > room:
+            raise PromptTooLong(floor.of_text(text))
+
     # -- whole prompts -----------------------------------------------------------------------------
-    def prompt(self, messages: Sequence[Message], options: RenderOptions) -> Prompt:
-        """The whole conversation rendered with a generation prompt, tokenized once."""
+    def prompt(self, messages: Sequence[Message], options: RenderOptions, room: int | None = None) -> Prompt:
+        """The whole conversation rendered with a generation prompt, tokenized once. `room`: the
+        most tokens it may hold; a text longer than that by its length alone raises PromptTooLong
+        before it is tokenized."""
         text = self.render_text(messages, True, options)
+        self._check_room(text, room)
         return Prompt(self.encode(text), self._shown(text), _opens_reasoning(text))
 
     # -- bridges -----------------------------------------------------------------------------------
@@ -196,12 +222,14 @@ class Renderer:
         stop_token: int | None,
         options: RenderOptions,
         recorded: RenderOptions | None = None,
+        room: int | None = None,
     ) -> Bridge:
         """Tokens to append after the sampled reply that `messages[reply_index]` echoes.
 
         `reply` is the reply as it was returned (reasoning and tool calls included); `stop_token` is
         the end-of-turn token the engine sampled last, or None if the turn ended another way;
-        `recorded` the options the recorded history was rendered with (default: `options`).
+        `recorded` the options the recorded history was rendered with (default: `options`); `room`
+        the most tokens the bridge may hold (PromptTooLong past it, as `prompt`).
 
         The bridge is the template's rendering of the whole request cut right after the reply's turn
         close. It is rendered from the anchor when the probe found this template renders the same
@@ -219,6 +247,7 @@ class Renderer:
         close, after = self._after_reply(prefix, reply, new, options, before, with_new, rewrite)
         stop_text = self.tokenizer.special_text(stop_token) if stop_token is not None else None
         text = strip_sampled_stop(close + after, stop_text)
+        self._check_room(text, room)
         detail = ""
         if rewrite:
             detail = (
@@ -280,8 +309,9 @@ class Renderer:
     def prepare(
         self, messages: Sequence[Message], options: RenderOptions
     ) -> tuple[list[Message], Sequence[Mapping[str, Any]] | None]:
-        """Messages as templates expect them; tool-less templates get the default tool format."""
-        prepared = [_for_template(m, self.arguments_as_objects) for m in messages]
+        """Messages as templates expect them (instruction roles as the template renders them,
+        `render.roles`); tool-less templates get the default tool format."""
+        prepared = [_for_template(m, self.arguments_as_objects) for m in map_roles(messages, self.roles)]
         if self._quoted is not None:
             prepared = [self._quoted.quote_message(m) for m in prepared]
         if self.native_tools or not (options.tools or any(_uses_tools(m) for m in prepared)):
