@@ -7,7 +7,6 @@ what the session export holds, turn after turn, including streamed and truncated
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.browser import chromium
 from tests.support.scenarios import five_turn_scenario
 from tokentape.client import InProcessGateway
 from tokentape.launcher import RunningServer, running_server
@@ -266,8 +266,7 @@ CHROMIUM_FLAGS = [
 
 
 def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert binary, "Debian's chromium is needed for the viewer test (make setup installs it)"
+    binary = chromium()
     profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
     return subprocess.run(
         [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
@@ -281,6 +280,7 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 async def test_the_viewer_shows_a_recorded_session_in_a_browser(
     server: RunningServer, model: str, tmp_path: Path
 ) -> None:
+    chromium()  # skips first where there is none
     session = "viewed"
     client = _client(server, session)
     messages: list[Any] = [{"role": "user", "content": "Name three fruits."}]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from tests.images.conftest import App, Oracle, data_url, png
+from tests.support.browser import chromium
 from tokentape.viewer import static_page
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--virtual-time-budget=5000"]
@@ -18,6 +18,7 @@ def image(data: bytes) -> dict[str, Any]:
 
 
 async def test_each_placeholder_run_is_one_thumbnail(app: App, oracle: Oracle, tmp_path: Path) -> None:
+    binary = chromium()  # skips where there is none
     red, blue = png((200, 30, 30)), png((30, 30, 200), (120, 80))
     app.queue(oracle.answer("Red."), oracle.answer("Blue."))
     first = [{"role": "user", "content": [{"type": "text", "text": "Color?"}, image(red)]}]
@@ -30,8 +31,6 @@ async def test_each_placeholder_run_is_one_thumbnail(app: App, oracle: Oracle, t
     page = tmp_path / "viewer.html"
     page.write_text(static_page({"sessions": listing, "exports": {"viewed": export}}))
 
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert binary, "Debian's chromium is needed for the viewer test (make setup installs it)"
     dom = subprocess.run(
         [
             binary,
