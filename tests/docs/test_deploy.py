@@ -4,9 +4,11 @@ the unit is one systemd can read."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,14 +47,16 @@ def test_every_serve_option_the_deploy_page_names_exists() -> None:
     prose = set(OPTION.findall(re.sub(r"```.*?```", "", page, flags=re.S)))
     # docker's, pip's, vLLM's
     others = {"--build-arg", "--env-file", "--no-cache-dir", "--logprobs-mode", "--mm-processor-cache-gb"}
+    others |= {"--stop-timeout", "--add-host", "--network", "--user"}
     assert prose <= _serve_options() | others, prose - _serve_options() - others
 
 
 def test_the_dockerfile_and_the_unit_start_serve_with_real_options() -> None:
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    entry = re.search(r"^ENTRYPOINT (\[.*?\])$", dockerfile, re.M | re.S)
-    assert entry is not None
-    words = [w.strip(' "\\\n') for w in entry.group(1).strip("[]").split(",")]
+    script, *words = _entrypoint()  # the entry point script runs `tokentape serve ...` in its place
+    assert (
+        script == "tokentape-entrypoint"
+        and "COPY deploy/docker-entrypoint.sh /usr/local/bin/tokentape-entrypoint" in (ROOT / "Dockerfile").read_text()
+    )
     assert words[:2] == ["tokentape", "serve"]
     assert {w for w in words if w.startswith("--")} <= _serve_options()
     unit = (ROOT / "deploy/tokentape.service").read_text()
@@ -88,3 +92,78 @@ def test_the_image_build_context_holds_what_the_wheel_is_built_from() -> None:
         for word in line.split()[1:-1]
     }
     assert needed <= copied, needed - copied
+
+
+def _entrypoint() -> list[str]:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    entry = re.search(r"^ENTRYPOINT (\[.*?\])$", dockerfile, re.M | re.S)
+    assert entry is not None
+    return [w.strip(' "\\\n') for w in entry.group(1).strip("[]").split(",")]
+
+
+def _option(words: list[str], name: str) -> str:
+    """The last value given to `name` (`--name value` or `--name=value`): click keeps the last."""
+    values = [words[i + 1] for i, w in enumerate(words[:-1]) if w == name]
+    values += [w.split("=", 1)[1] for w in words if w.startswith(name + "=")]
+    assert values, name
+    return values[-1]
+
+
+def test_the_image_drains_within_docker_stops_timeout() -> None:
+    """`docker stop` kills 10 s after SIGTERM: the image's drain ends before that."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^STOPSIGNAL SIGTERM$", dockerfile, re.M)
+    assert int(_option(_entrypoint(), "--drain-seconds")) < 10
+
+
+def test_compose_starts_the_gateway_in_front_of_its_vllm_and_stops_it_after_the_drain() -> None:
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())
+    vllm, gateway = compose["services"]["vllm"], compose["services"]["tokentape"]
+    command = [str(w) for w in gateway["command"]]
+    # every option is one of serve's, and an option given there replaces the image's
+    assert {w.split("=", 1)[0] for w in command} <= _serve_options()
+    words = _entrypoint()[1:] + command  # after the entry point script: `tokentape serve ...`, then Compose's
+    engine = _option(words, "--engine")
+    vllm_port = _option([str(w) for w in vllm["command"]], "--port")
+    assert engine.startswith(f"vllm=http://vllm:{vllm_port},")  # the service name, the port vLLM listens on
+    assert vllm_port == "8001" and "ports" not in vllm  # as the Deploy page says; only the gateway reaches it
+    assert gateway["depends_on"]["vllm"]["condition"] == "service_healthy"
+    grace = int(str(gateway["stop_grace_period"]).removesuffix("s"))
+    assert grace > int(_option(words, "--drain-seconds"))
+    assert gateway["build"] == ".." and "tokentape-data:/data" in gateway["volumes"]
+    # the tokenizer is the engine's own model directory, mounted in both
+    model = _option(words, "--tokenizer")
+    assert model == next(w for w in vllm["command"] if str(w).startswith("/models/"))
+
+
+def test_the_dockerfile_and_the_deploy_page_give_vllm_one_port() -> None:
+    ports = set(re.findall(r"vllm(?:-host)?:(\d+)", (ROOT / "Dockerfile").read_text()))
+    page = (ROOT / "docs/guides/deploy.md").read_text()
+    ports |= set(re.findall(r"vllm=http://[\w.-]+:(\d+)", page))
+    ports |= set(re.findall(r"vllm serve \S+ --port (\d+)", page))
+    assert ports == {"8001"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs the script as another user")
+def test_the_entrypoint_refuses_a_data_directory_it_cannot_write_and_says_how() -> None:
+    """As the image's user (not root), the entry point on a root-owned directory exits 1 with the fixes;
+    on one it can write, it runs the command it was given in its own place."""
+    script = ROOT / "deploy/docker-entrypoint.sh"
+    data = Path(tempfile.mkdtemp(prefix="tokentape-data-"))  # root's, as a host directory mounted at /data
+    data.chmod(0o755)  # (under /tmp, which the other user can reach; pytest's own tmp_path is root's alone)
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sh", str(script)]
+    env = {"PATH": os.environ["PATH"], "TOKENTAPE_DATA_DIR": str(data), "HOME": "/nonexistent"}
+    refused = subprocess.run([*as_nobody, "echo", "started"], capture_output=True, text=True, env=env, timeout=30)
+    assert refused.returncode == 1 and "started" not in refused.stdout
+    assert f"cannot write to {data} (owned by uid:gid 0:0" in refused.stderr
+    assert "--user 0:0" in refused.stderr and "chown -R 65534:65534" in refused.stderr
+    data.chmod(0o777)
+    started = subprocess.run(
+        [*as_nobody, "sh", "-c", 'echo "started $$ $HOME"'], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.split()[0] == "started" and started.stdout.split()[2] == "/tmp/tokentape-home"
+    assert list(data.iterdir()) == []  # the write check leaves nothing behind
+    data.rmdir()
