@@ -87,8 +87,13 @@ docs: setup  ## build the documentation site into site/ (strict: a broken link o
 docs-serve: setup  ## the documentation site on http://127.0.0.1:8001, rebuilt on every edit
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
-package: setup  ## sdist and wheel; the wheel in a fresh virtualenv: --version, serve, demo (a few minutes)
-	TOKENTAPE_WHEEL_TEST=1 TOKENTAPE_LLAMA_WHEELS=$(LLAMA_WHEELS) $(PY) -m pytest tests/docs/test_wheel.py -p no:cacheprovider
+# The wheels stay in dist/: tokentape's, and the llama.cpp wheel this machine built, so that a machine of the
+# same kind (Linux x86-64 with AVX2) installs both without compiling (docs: Install, "As a package").
+package: setup  ## sdist and wheel into dist/ (with the llama.cpp wheel); the wheel in a fresh virtualenv: --version, serve, demo (a few minutes)
+	TOKENTAPE_WHEEL_TEST=1 TOKENTAPE_DIST=$(CURDIR)/dist TOKENTAPE_LLAMA_WHEELS=$(LLAMA_WHEELS) \
+		$(PY) -m pytest tests/docs/test_wheel.py -p no:cacheprovider
+	cp $(LLAMA_WHEELS)/llama_cpp_python-*.whl dist/
+	@echo "dist/: $$(cd dist && ls *.whl *.tar.gz | tr '\n' ' ')"
 
 # Test files are spread over one worker per core (--dist loadfile: a file's tests and its module
 # fixtures stay on one worker); each worker's embedded engine runs one thread. The 20 slowest close it.

@@ -44,7 +44,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+    # `make package` keeps the sdist and the wheel in dist/ (TOKENTAPE_DIST); earlier ones of tokentape go
+    out = Path(os.environ.get("TOKENTAPE_DIST") or tmp_path_factory.mktemp("dist"))
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("tokentape-*.whl"), *out.glob("tokentape-*.tar.gz")]:
+        old.unlink()
     # --no-isolation: the build backend of this environment (setuptools, pinned by what it installs)
     # instead of a download per run; the sdist and the wheel are what an isolated build makes.
     _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT)
