@@ -53,9 +53,25 @@ class InvalidRequest(TokentapeError):
 
 
 class ContextOverflow(InvalidRequest):
-    """The prompt, plus room to generate, does not fit the model's context window."""
+    """The prompt, plus room to generate, does not fit the model's context window. The figures, where
+    the gateway knows them, let each API family word it its own way (Anthropic's clients parse them)."""
 
     default_code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        context_length: int | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
 
 
 class NotFound(TokentapeError):

@@ -133,12 +133,12 @@ class Served:
         self.engine.push(tokens)
         return tokens
 
-    def client(self, session: str) -> anthropic.Anthropic:
+    def client(self, session: str, *, harness_header: bool = True) -> anthropic.Anthropic:
         def seen(request: httpx2.Request) -> None:
             self.queries.append(request.url.query.decode())
 
         http = httpx2.Client(event_hooks={"request": [seen]})
-        headers = {"X-Claude-Code-Session-Id": "cc-1", "x-app": "cli"}
+        headers = {"X-Claude-Code-Session-Id": "cc-1", "x-app": "cli"} if harness_header else {}
         return anthropic.Anthropic(
             base_url=f"{self.url}/sessions/{session}",
             api_key="sk-ant-dummy",
@@ -152,11 +152,13 @@ class Served:
         return data
 
 
-def _served(tmp_path: Path, family: str, context_length: int = 1 << 20) -> Iterator[Served]:
+def _served(tmp_path: Path, family: str, context_length: int = 1 << 20, *, clip: bool = False) -> Iterator[Served]:
     renderer = hf_renderer(materialise(family, tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = RecordingEngine(end, context_length=context_length)
-    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL)
+    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway.clip_max_tokens = clip
+    app = create_app(gateway, model_id=MODEL)
     with serving(app) as url:
         yield Served(url, renderer, engine, end)
 
@@ -357,3 +359,53 @@ def test_count_tokens_route_errors_and_keys(qwen25: Served) -> None:
     assert auth.decide(auth.Kind.SESSION, "/v1/messages/count_tokens", key_session="s") is None
     assert auth.decide(auth.Kind.SESSION, "/sessions/t/v1/messages/count_tokens", key_session="s") is not None
     assert not auth.is_generation("/v1/messages/count_tokens")
+
+
+@pytest.fixture
+def small_context(tmp_path: Path) -> Iterator[Served]:
+    yield from _served(tmp_path, "qwen2.5", context_length=6000)
+
+
+def test_max_tokens_past_the_context_in_anthropics_words(small_context: Served) -> None:
+    """Claude Code asks for up to 128000 tokens whatever the model. As vLLM does, a request whose prompt
+    and max_tokens pass the context is refused, not cut, and nothing is recorded; the refusal is worded
+    as Anthropic's API words it, which Claude Code parses and asks again with max_tokens = context -
+    input - 1000 (its own rule, replayed here). A prompt that fills the context is Anthropic's
+    "prompt is too long", on which Claude Code compacts."""
+    served = small_context
+    client = served.client("cc-room", harness_header=False)
+    history: list[Any] = [FIRST_USER]
+    settings = {"tools": [], "max_tokens": 128000}
+    counted = _count(client, history, tools=[])
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        _streamed(client, history, **settings)
+    message = refused.value.body["error"]["message"]  # type: ignore[index]
+    found = re.search(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)", message)
+    assert found is not None, message
+    assert tuple(int(n) for n in found.groups()) == (counted, 128000, 6000)
+    assert served.engine.prompts == [] and served.summary("cc-room").get("turns", 0) == 0
+    served.push(ANSWER)
+    answer, _ = _streamed(client, history, tools=[], max_tokens=6000 - counted - 1000)
+    assert answer.content[-1].text == ANSWER and len(served.engine.prompts[0]) == counted
+    summary = served.summary("cc-room")
+    assert (summary["turns"], summary["branches"], summary["rewrites"]) == (1, 1, 0)
+    # a prompt longer than the context
+    long_history: list[Any] = [{"role": "user", "content": "hello " * 7000}]
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        _streamed(client, long_history, tools=[], max_tokens=10)
+    assert re.match(r"^prompt is too long: \d+ tokens > 5999 maximum$", too_long.value.body["error"]["message"])  # type: ignore[index]
+
+
+def test_a_clipped_reply_that_fills_the_context(tmp_path: Path) -> None:
+    """Where `max_tokens` past the room left is clipped to it (`clip_max_tokens`, a harness's session),
+    a reply that runs to the end of the context stopped for Anthropic's `model_context_window_exceeded`;
+    one that runs to a `max_tokens` that fit stopped for `max_tokens`."""
+    for served in _served(tmp_path, "qwen2.5", context_length=6000, clip=True):
+        client = served.client("cc-clip", harness_header=False)
+        served.push("word " * 6000)
+        filled, _ = _streamed(client, [FIRST_USER], tools=[], max_tokens=128000)
+        assert filled.stop_reason == "model_context_window_exceeded"
+        assert filled.usage.input_tokens + filled.usage.output_tokens == 6000
+        served.push("word " * 50)
+        cut, _ = _streamed(client, [{"role": "user", "content": "Count."}], tools=[], max_tokens=5)
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 5

@@ -428,6 +428,9 @@ class Gateway:
                 f"this model's context holds {context} tokens; the request needs {wanted} "
                 f"({len(prompt)} in the prompt, {sampling.max_tokens or 1} to generate)",
                 param="max_tokens" if len(prompt) < context else "messages",
+                prompt_tokens=len(prompt),
+                max_tokens=sampling.max_tokens or 1,
+                context_length=context,
             )
         return sampling
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tokentape.errors import InvalidRequest, NotFound, TokentapeError
+from tokentape.errors import ContextOverflow, InvalidRequest, NotFound, TokentapeError
 
 __all__ = [
     "ANTHROPIC_ERRORS",
@@ -84,8 +84,24 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def _anthropic_message(exc: TokentapeError) -> str:
+    """The message, with a context overflow in the words of Anthropic's API, which Claude Code parses:
+    `input length and `max_tokens` exceed context limit: I + M > C` (it asks again with `max_tokens`
+    C - I - 1000) and `prompt is too long: I tokens > N maximum` (it compacts the conversation)."""
+    if isinstance(exc, ContextOverflow) and exc.prompt_tokens is not None and exc.context_length is not None:
+        prompt, context = exc.prompt_tokens, exc.context_length
+        if prompt >= context:  # no room for a single token
+            return f"prompt is too long: {prompt} tokens > {context - 1} maximum"
+        return (
+            f"input length and `max_tokens` exceed context limit: {prompt} + {exc.max_tokens} > {context}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    return exc.message
+
+
 def _anthropic_body(exc: TokentapeError) -> dict[str, object]:
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+    error_type = _ANTHROPIC_TYPES.get(exc.status, "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": _anthropic_message(exc)}}
 
 
 def _anthropic_event(exc: TokentapeError) -> bytes:

@@ -8,9 +8,10 @@ messages (`tool_use` -> the assistant's tool calls, `tool_result` -> tool messag
 assistant's reasoning); tools with `input_schema` become chat tools; `tool_choice` {auto, any, tool,
 none} the chat forms; `stop_sequences` stop strings. `thinking` `enabled` or `adaptive` turns the
 template's thinking switch on (`enable_thinking`), `disabled` or none off; `display: omitted` answers
-thinking blocks with empty text (the tape keeps every sampled token). What Anthropic's API keeps or
+thinking blocks with empty text (the tape keeps every sampled token); `output_config.effort` is the
+template's `reasoning_effort` (vLLM's mapping). What Anthropic's API keeps or
 bills on its side is accepted and has no effect here: `cache_control` on any block, `metadata`,
-`output_config.effort`, a thinking budget, tools' `defer_loading`, and the `clear_thinking_20251015`
+a thinking budget, tools' `defer_loading`, and the `clear_thinking_20251015`
 context edit (which earlier reasoning the model sees is the chat template's rule; a history the
 client changed goes through the rewrite policy). Other context edits are refused in Anthropic's
 words, which Claude Code reads as "stop sending it". The full table of fields is in
@@ -81,6 +82,8 @@ class CountTokensRequest(ChatFields):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
+    # {"format": {"type": "json_schema", "schema": ...}, "effort": "high"}
+    output_config: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -88,8 +91,6 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[StrictStr] | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    # {"format": {"type": "json_schema", "schema": ...}, "effort": "high"}
-    output_config: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # accepted: Claude Code's `user_id` names its session
     # what trainers add, besides ChatFields
     logprobs: StrictBool | None = None
@@ -324,13 +325,14 @@ def check_context_edits(context_management: Mapping[str, Any] | None, model: str
             )
 
 
-def check_effort(output_config: Mapping[str, Any] | None) -> None:
-    """`output_config.effort` is Anthropic's dial for how thoroughly Claude works (thinking, tool
-    calls, length). No engine or chat template here has it: accepted with no effect (a template that
-    reads a variable for it gets one through `chat_template_kwargs`)."""
+def effort_of(output_config: Mapping[str, Any] | None) -> str | None:
+    """`output_config.effort`, Anthropic's dial for how thoroughly Claude works (thinking, tool calls,
+    length). No engine has such a knob; as vLLM's Messages route does, it is given to the chat template
+    as `reasoning_effort` (gpt-oss templates read it; Qwen's and most others render unchanged)."""
     effort = (output_config or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise InvalidRequest(f"output_config.effort must be one of {', '.join(EFFORTS)}", param="output_config.effort")
+    return effort if isinstance(effort, str) else None
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -539,9 +541,11 @@ class AnthropicMessages(Dialect[MessagesRequest]):
         messages = chat_messages(req.system, req.messages, images)
         if not any(m["role"] != "system" for m in messages):
             raise InvalidRequest("messages must not be empty", param="messages")
-        switch = thinking_on(req.thinking)
-        thinking = {"enable_thinking": switch} if self.reasoning else None
-        return messages, images, chat_tools(req.tools), chat_tool_choice(req.tool_choice), thinking
+        switch, effort = thinking_on(req.thinking), effort_of(req.output_config)
+        kwargs: dict[str, Any] = {"enable_thinking": switch} if self.reasoning else {}
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+        return messages, images, chat_tools(req.tools), chat_tool_choice(req.tool_choice), kwargs or None
 
     def count_call(self, req: CountTokensRequest) -> ChatCall:
         """A count request as the chat call a generation with the same prompt would make."""
@@ -557,7 +561,6 @@ class AnthropicMessages(Dialect[MessagesRequest]):
 
     def to_call(self, req: MessagesRequest, raw: dict[str, Any], caller: Caller) -> ChatCall:
         messages, images, tools, choice, thinking = self._prompt_parts(req)
-        check_effort(req.output_config)
         # top_logprobs without logprobs: true is a 400 (SamplingParams), as on chat completions
         sampling = sampling_from_wire(
             req,
@@ -583,7 +586,11 @@ class AnthropicMessages(Dialect[MessagesRequest]):
 
     def _shaper(self, req: MessagesRequest, started: Started) -> MessageShaper:
         def stopped_by(tokens: Sequence[SampledToken], finish: FinishReason) -> tuple[str, str | None]:
-            """Anthropic's stop reason, and the stop sequence that ended the reply if one did."""
+            """Anthropic's stop reason, and the stop sequence that ended the reply if one did. A reply
+            cut at the end of the context (a `max_tokens` past the room left, clipped to it) stopped
+            for Anthropic's `model_context_window_exceeded`, not for the `max_tokens` the client set."""
+            if finish == "length" and len(started.prompt_token_ids) + len(tokens) >= self.context.context_length:
+                return "model_context_window_exceeded", None
             if finish != "stop":
                 return finish_words(finish), None
             if tokens and tokens[-1].token_id in self._end_of_turn:
