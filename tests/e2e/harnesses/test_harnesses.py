@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ COMMAND = "echo hello > out.txt"
 FINAL = "I wrote hello to out.txt."
 TITLE = "Hello file"
 RUN_TIMEOUT = 180
+RUN_SESSION = "harness-run"  # the session `tokentape run` opens
 LOGS_ENV = "TOKENTAPE_HARNESS_LOGS"  # a folder: each harness's HOME is copied there after its run
 
 
@@ -160,6 +162,7 @@ class Case:
     arguments: dict[str, Any]  # turn 1's arguments for it
     prepare: Callable[[Harness, str, Path], Run]
     session: str  # the episode's session id, as a pattern: the harness's own id, or the base URL's
+    under_run: Callable[[Harness, Path], Run]  # its command and environment under `tokentape run`
     final: Callable[[], str] = field(default=lambda: FINAL)  # turn 2's text
 
 
@@ -245,15 +248,49 @@ def mini_swe_agent(harness: Harness, url: str, home: Path) -> Run:
 
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+def claude_code_under_run(harness: Harness, home: Path) -> Run:
+    return Run([str(harness.executable), "-p", TASK, "--allowedTools", "Bash"], _base_env(home))
+
+
+def codex_under_run(harness: Harness, home: Path) -> Run:
+    # the run writes its provider into a CODEX_HOME of its own; sandbox and approvals are the user's
+    argv = [str(harness.executable), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    return Run([*argv, TASK], _base_env(home))
+
+
+def opencode_under_run(harness: Harness, home: Path) -> Run:
+    env = _base_env(home) | {
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    }
+    return Run([str(harness.executable), "run", TASK], env, side_sessions=1)
+
+
+def mini_swe_agent_under_run(harness: Harness, home: Path) -> Run:
+    env = _base_env(home) | {"MSWEA_GLOBAL_CONFIG_DIR": str(home / "mswea"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    argv = [str(harness.executable), "-t", TASK, "--yolo", "--exit-immediately", "--cost-limit", "0"]
+    return Run(argv, env)
+
+
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent ends its episode on this command
 
 CASES = {
     # X-Claude-Code-Session-Id
-    "claude-code": Case(HARNESSES["claude-code"], "Bash", {"command": COMMAND}, claude_code, UUID),
+    "claude-code": Case(
+        HARNESSES["claude-code"], "Bash", {"command": COMMAND}, claude_code, UUID, claude_code_under_run
+    ),
     # session-id / thread-id headers, prompt_cache_key
-    "codex": Case(HARNESSES["codex"], "exec_command", {"cmd": COMMAND}, codex, UUID),
+    "codex": Case(HARNESSES["codex"], "exec_command", {"cmd": COMMAND}, codex, UUID, codex_under_run),
     # its x-session-id header
-    "opencode": Case(HARNESSES["opencode"], "bash", {"command": COMMAND}, opencode, r"ses_\w+"),
+    "opencode": Case(HARNESSES["opencode"], "bash", {"command": COMMAND}, opencode, r"ses_\w+", opencode_under_run),
     # its episode ends with a tool call, not text: the submit command (which it does not run)
     "mini-swe-agent": Case(
         HARNESSES["mini-swe-agent"],
@@ -261,6 +298,7 @@ CASES = {
         {"command": COMMAND},
         mini_swe_agent,
         "mini-swe-agent-run",
+        mini_swe_agent_under_run,
         final=lambda: f"Done.\n{hermes_call('bash', {'command': SUBMIT})}",
     ),
 }
@@ -277,6 +315,7 @@ class Served:
     url: str
     engine: ReadingEngine
     log: RefusalLog
+    took: float = 0.0  # seconds the last harness run took
 
 
 @pytest.fixture
@@ -310,27 +349,40 @@ def _report(result: subprocess.CompletedProcess[str] | None, served: Served, not
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("served", list(CASES), indirect=True)
-def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    case = CASES[request.node.callspec.params["served"]]
+def _run(case: Case, served: Served, tmp_path: Path, how: str) -> tuple[Run, Path, subprocess.CompletedProcess[str]]:
+    """Run the harness (`how`: "alone", configured for the gateway, or "under run", through
+    `tokentape run`) in a scratch directory; its Run, that directory, and what it did."""
     if not case.harness.installed:
         pytest.skip(f"{case.harness.name} {case.harness.version} is not installed (make e2e-harnesses)")
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
-    run = case.prepare(case.harness, served.url, home)
+    if how == "alone":
+        run = case.prepare(case.harness, served.url, home)
+        argv = run.argv
+    else:
+        run = case.under_run(case.harness, home)
+        argv = [sys.executable, "-m", "tokentape", "run", "--url", served.url, "--session-id", RUN_SESSION]
+        argv += ["--", *run.argv]
     start = time.monotonic()
     try:
         result = subprocess.run(
-            run.argv, cwd=work, env=run.env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=RUN_TIMEOUT,
-        )  # fmt: skip
+            argv, cwd=work, env=run.env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(_report(None, served, f"{case.harness.name} did not finish in {RUN_TIMEOUT} s"))
-    took = time.monotonic() - start
+    served.took = time.monotonic() - start
     if os.environ.get(LOGS_ENV):  # keep what the harness wrote in its HOME (opencode's log, Codex's sessions)
-        shutil.copytree(home, Path(os.environ[LOGS_ENV]) / case.harness.name, symlinks=True, dirs_exist_ok=True)
-    report = _report(result, served, f"{case.harness.name} ran {took:.1f} s")
+        keep = Path(os.environ[LOGS_ENV]) / f"{case.harness.name}-{how.replace(' ', '-')}"
+        shutil.copytree(home, keep, symlinks=True, dirs_exist_ok=True)
+    return run, work, result
+
+
+def _check_episode(
+    case: Case, served: Served, run: Run, work: Path, result: subprocess.CompletedProcess[str], session: str
+) -> dict[str, Any]:
+    """Everything a run must show (see the module's docstring); the episode session's summary."""
+    report = _report(result, served, f"{case.harness.name} ran {served.took:.1f} s")
     assert result.returncode == 0, report
     assert (work / "out.txt").read_text() == "hello\n", report
     assert not served.log.refusals, report
@@ -346,12 +398,18 @@ def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureR
     with httpx.Client(base_url=served.url, timeout=30) as client:
         listed = client.get("/sessions").json()["data"]
         exports = {s["session_id"]: client.get(f"/sessions/{s['session_id']}/export").json() for s in listed}
+    summaries = {s["session_id"]: s for s in listed}
+
+    def holding(tokens: list[int]) -> list[str]:
+        return [sid for sid, export in exports.items() if any(b["tokens"] == tokens for b in export["branches"])]
+
     expected_tape = second.prompt + second.sampled
-    episodes = [sid for sid, export in exports.items() if any(b["tokens"] == expected_tape for b in export["branches"])]
-    summary = {sid: (len(e["branches"]), [len(b["tokens"]) for b in e["branches"]]) for sid, e in exports.items()}
-    assert len(episodes) == 1, f"{report}\nsessions (branches, tokens): {summary}"
-    assert len(listed) == 1 + run.side_sessions, f"{report}\nsessions (branches, tokens): {summary}"
-    assert re.fullmatch(case.session, episodes[0]), f"{report}\nthe episode's session: {episodes[0]}"
+    shapes = {sid: [len(b["tokens"]) for b in e["branches"]] for sid, e in exports.items()}
+    report += f"\nsessions (tokens per branch): {shapes}"
+    episodes = holding(expected_tape)
+    assert len(episodes) == 1, report
+    assert len(listed) == 1 + run.side_sessions, report
+    assert re.fullmatch(session, episodes[0]), f"{report}\nthe episode's session: {episodes[0]}"
     (branch,) = exports[episodes[0]]["branches"]
     sampled_at = {*range(len(first.prompt), len(head)), *range(len(second.prompt), len(expected_tape))}
     assert [i for i, m in enumerate(branch["loss_mask"]) if m] == sorted(sampled_at), report
@@ -359,7 +417,42 @@ def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureR
     sides = [c for c in calls if c.kind == "side"]
     assert len(sides) >= run.side_sessions, report
     for side in sides:
-        held = [
-            sid for sid, e in exports.items() if any(b["tokens"] == side.prompt + side.sampled for b in e["branches"])
-        ]
-        assert held and episodes[0] not in held, f"{report}\nsessions (branches, tokens): {summary}"
+        held = holding(side.prompt + side.sampled)
+        assert held and episodes[0] not in held, report
+    return dict(summaries[episodes[0]])
+
+
+@pytest.mark.parametrize("served", list(CASES), indirect=True)
+def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The harness alone, configured for the gateway: its own session id names the session."""
+    case = CASES[request.node.callspec.params["served"]]
+    run, work, result = _run(case, served, tmp_path, "alone")
+    _check_episode(case, served, run, work, result, case.session)
+
+
+# what `tokentape run` does not yet set for a harness, shown as the run fails (strict: passing fails it)
+NOT_YET_UNDER_RUN = {
+    "mini-swe-agent": "tokentape run does not set MSWEA_CONFIGURED=true: mini-swe-agent's first-run setup asks "
+    "for a model on a closed stdin and aborts (exit 1) before any call",
+}
+
+
+@pytest.mark.parametrize(
+    "served",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=NOT_YET_UNDER_RUN[n])) if n in NOT_YET_UNDER_RUN else n
+        for n in CASES
+    ],
+    indirect=True,
+)
+def test_harness_under_tokentape_run(served: Served, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """`tokentape run -- <harness>` with nothing configured but what the user chooses (permissions):
+    the run's session holds the episode and, finished, the harness's exit status."""
+    case = CASES[request.node.callspec.params["served"]]
+    run, work, result = _run(case, served, tmp_path, "under run")
+    summary = _check_episode(case, served, run, work, result, re.escape(RUN_SESSION))
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        session = client.get(f"/sessions/{RUN_SESSION}").json()
+    assert session["finished"], session
+    assert session["metadata"]["exit_status"] == 0, session
+    assert summary["turns"] == 2, summary
