@@ -61,6 +61,7 @@ def harness_environment(
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "MSWEA_MODEL_NAME": f"openai/{model}",
         "MSWEA_COST_TRACKING": "ignore_errors",
+        "MSWEA_CONFIGURED": "true",  # else its first run on a machine asks for set-up on the terminal
         "OPENCODE_CONFIG_CONTENT": json.dumps(_opencode_config(f"{base}/v1", model)),
     }
     if "CODEX_HOME" not in environ:  # Codex reads its provider from a config file only
