@@ -430,21 +430,7 @@ def test_harness_episode_is_on_the_tape(served: Served, request: pytest.FixtureR
     _check_episode(case, served, run, work, result, case.session)
 
 
-# what `tokentape run` does not yet set for a harness, shown as the run fails (strict: passing fails it)
-NOT_YET_UNDER_RUN = {
-    "mini-swe-agent": "tokentape run does not set MSWEA_CONFIGURED=true: mini-swe-agent's first-run setup asks "
-    "for a model on a closed stdin and aborts (exit 1) before any call",
-}
-
-
-@pytest.mark.parametrize(
-    "served",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=NOT_YET_UNDER_RUN[n])) if n in NOT_YET_UNDER_RUN else n
-        for n in CASES
-    ],
-    indirect=True,
-)
+@pytest.mark.parametrize("served", list(CASES), indirect=True)
 def test_harness_under_tokentape_run(served: Served, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """`tokentape run -- <harness>` with nothing configured but what the user chooses (permissions):
     the run's session holds the episode and, finished, the harness's exit status."""
