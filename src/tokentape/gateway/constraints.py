@@ -20,7 +20,7 @@ from typing import Any
 
 from tokentape.core.reply import ToolFormat
 from tokentape.engines.base import Constraint
-from tokentape.engines.gbnf import schema_grammar
+from tokentape.engines.gbnf import MAX_GRAMMAR_ALTERNATIVES, schema_grammar
 from tokentape.errors import InvalidRequest
 
 __all__ = ["output_constraint", "tool_names"]
@@ -98,6 +98,12 @@ def _tool_grammar(
             param="tool_choice",
         )
     before, after, key = syntax
+    if len(tools) > MAX_GRAMMAR_ALTERNATIVES:  # one alternative a tool: refused before any is converted
+        raise InvalidRequest(
+            f"{len(tools)} tools cannot be enforced: a call of any of them is a grammar of one alternative a "
+            f"tool, and at most {MAX_GRAMMAR_ALTERNATIVES} are enforced; name the tool, or offer fewer",
+            param="tool_choice",
+        )
     schema = {"anyOf": [_call_schema(tool, key) for tool in tools]} if len(tools) > 1 else _call_schema(tools[0], key)
     # one call: a small model asked for "at least one" tends to repeat it until max_tokens
     calls = f"{json.dumps(before)} call {json.dumps(after)}" if before or after else "call"

@@ -19,6 +19,7 @@ from tokentape.errors import InvalidRequest
 from tokentape.gateway import images
 from tokentape.gateway.calls import ChatCall
 from tokentape.gateway.generation import ReplyMode
+from tokentape.render.bounds import PromptTooLong, TokenFloor
 from tokentape.render.renderer import Renderer, RenderOptions
 
 __all__ = ["Plan", "Planner", "deepest_prefix_node"]
@@ -43,20 +44,52 @@ class Planner:
         self.renderer = renderer
         self.image_reader = image_reader  # the bytes of images a session holds, read back by digest
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
+        self._floor: TokenFloor | None = None
+        self._floor_known = False
 
-    async def chat(self, tree: SessionTree, call: ChatCall) -> Plan:
+    async def token_floor(self) -> TokenFloor | None:
+        """The renderer's lower bounds on token counts, made off the event loop the first time."""
+        if not self._floor_known:
+            self._floor = await asyncio.to_thread(lambda: self.renderer.floor)
+            self._floor_known = True
+        return self._floor
+
+    async def chat(self, tree: SessionTree, call: ChatCall, room: int | None = None) -> Plan:
+        """`room`: the most tokens the prompt may hold. A request that holds more by the length of
+        its text alone raises PromptTooLong before it is rendered (`render.bounds`), and one whose
+        rendered text does before it is tokenized."""
         if not call.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         chains = tree.digests.chains(call.messages)
         decision = plan_request(tree, call.messages, chains)
+        if room is not None and _request_size(call.messages, call.options.tools) >= INLINE_RENDER_CHARS:
+            await self._check_floor(call, decision, room)
+        else:
+            room = None  # a small request: the bound is not worth its cost
         if call.has_images:  # text-only requests never come here
-            return await self._with_images(tree, call, decision, chains)
+            return await self._with_images(tree, call, decision, chains, room)
         if isinstance(decision, Fresh):
-            return await self._fresh(tree, call, decision, chains[-1])
-        return await self._extend(tree, call, decision, chains)
+            return await self._fresh(tree, call, decision, chains[-1], room=room)
+        return await self._extend(tree, call, decision, chains, room=room)
+
+    async def _check_floor(self, call: ChatCall, decision: Extend | Fresh, room: int) -> None:
+        floor = await self.token_floor()
+        if floor is None:
+            return
+        if isinstance(decision, Fresh):
+            least = floor.of_messages(call.messages, call.options.tools)
+        else:  # the recorded path, and the new messages' text
+            least = decision.node.end + floor.of_messages(call.messages[decision.new_from :], None)
+        if least > room:
+            raise PromptTooLong(least)
 
     async def _with_images(
-        self, tree: SessionTree, call: ChatCall, decision: Extend | Fresh, chains: Sequence[bytes]
+        self,
+        tree: SessionTree,
+        call: ChatCall,
+        decision: Extend | Fresh,
+        chains: Sequence[bytes],
+        room: int | None = None,
     ) -> Plan:
         """A request whose messages hold images: planned as any other, each new image's placeholder
         expanded once by the model's processor; a request that differs from a recorded history only
@@ -78,9 +111,9 @@ class Planner:
                 decision = Extend(node, covered, rewrite) if settle_rewrite(rewrite) == "keep" else Fresh(node, rewrite)
         expand = images.Expansion(vision, call.images, self.image_reader, tree.images)
         if isinstance(decision, Fresh):
-            plan = await self._fresh(tree, call, decision, chains[-1], expand)
+            plan = await self._fresh(tree, call, decision, chains[-1], expand, room)
         else:
-            plan = await self._extend(tree, call, decision, chains, expand)
+            plan = await self._extend(tree, call, decision, chains, expand, room)
         return dataclasses.replace(plan, shape_chain=shape[-1])
 
     async def _extend(
@@ -90,15 +123,17 @@ class Planner:
         decision: Extend,
         chains: Sequence[bytes],
         expand: images.Expansion | None = None,
+        room: int | None = None,
     ) -> Plan:
         node = decision.node
         whole = self.renderer.renders_whole(call.messages, call.options)
         if whole is None:  # the first bridge under these settings probes the template (tens of ms)
             size = INLINE_RENDER_CHARS
         elif whole:  # a template with state across messages renders the whole conversation
-            size = _text_size(call.messages)
+            size = _request_size(call.messages, call.options.tools)
         else:  # the anchor
-            size = _text_size([call.messages[0], *call.messages[max(1, decision.new_from - 2) :]])
+            anchored = [call.messages[0], *call.messages[max(1, decision.new_from - 2) :]]
+            size = _request_size(anchored, call.options.tools)
         bridge = await _render(
             size,
             self.renderer.bridge,
@@ -108,6 +143,7 @@ class Planner:
             self._stop_token(node),
             call.options,
             RenderOptions.of(node.template_inputs),  # the history was rendered with these
+            None if room is None else room - node.end,
         )
         rewrite = decision.rewrite
         if bridge.template_rewrite:
@@ -119,7 +155,7 @@ class Planner:
                 detail=bridge.detail,
             )
             if settle_rewrite(rewrite) == "fork":
-                return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1], expand)
+                return await self._fresh(tree, call, Fresh(node, rewrite), chains[-1], expand, room)
         tokens = bridge.tokens
         runs: tuple[ImageRun, ...] = ()
         recorded: tuple[ImageRun, ...] = ()
@@ -144,8 +180,10 @@ class Planner:
         decision: Fresh,
         chain: bytes,
         expand: images.Expansion | None = None,
+        room: int | None = None,
     ) -> Plan:
-        prompt = await _render(_text_size(call.messages), self.renderer.prompt, call.messages, call.options)
+        size = _request_size(call.messages, call.options.tools)
+        prompt = await _render(size, self.renderer.prompt, call.messages, call.options, room)
         tokens, count = prompt.tokens, len(call.messages)
         runs: tuple[ImageRun, ...] = ()
         if expand is not None:
@@ -172,9 +210,14 @@ class Planner:
         last = node.last_sampled
         return last if last in self._end_of_turn else None
 
-    async def completion_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """A completion's prompt as token IDs (text is tokenized; IDs are checked against the vocabulary)."""
+    async def completion_prompt(self, prompt: str | Sequence[int], room: int | None = None) -> list[int]:
+        """A completion's prompt as token IDs (text is tokenized; IDs are checked against the vocabulary).
+        `room`: the most tokens it may hold; a text longer by its length alone raises PromptTooLong
+        before it is tokenized."""
         if isinstance(prompt, str):
+            floor = await self.token_floor() if room is not None and len(prompt) >= INLINE_RENDER_CHARS else None
+            if floor is not None and room is not None and floor.of_text(prompt) > room:
+                raise PromptTooLong(floor.of_text(prompt))
             tokens = await asyncio.to_thread(self.renderer.encode_prompt_text, prompt)
         else:
             tokens = list(prompt)
@@ -216,6 +259,14 @@ async def _render(size: int, fn: Callable[..., _T], *args: Any) -> _T:
     if size < INLINE_RENDER_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+TOOL_CHARS = 256  # what one tool counts for in `_request_size` (its JSON is not measured: that costs as much)
+
+
+def _request_size(messages: Sequence[Message], tools: Sequence[Any] | None) -> int:
+    """About how much text rendering `messages` and `tools` handles, in characters."""
+    return _text_size(messages) + TOOL_CHARS * len(tools or ())
 
 
 def _text_size(messages: Sequence[Message]) -> int:

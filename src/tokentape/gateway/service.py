@@ -46,6 +46,7 @@ from tokentape.gateway.ticket import Admission, Ticket
 from tokentape.gateway.updates import PROBE_TEXT, WeightUpdater, parse_update
 from tokentape.gateway.versions import VersionGate
 from tokentape.metrics import GatewayMetrics
+from tokentape.render.bounds import PromptTooLong
 from tokentape.render.renderer import Renderer
 
 __all__ = [
@@ -258,7 +259,11 @@ class Gateway:
             yield dataclasses.replace(event, prefix_match=match) if match and isinstance(event, Started) else event
 
     async def complete(self, call: CompletionCall, streamed: bool = True) -> AsyncGenerator[Event, None]:
-        prompt = await self.planner.completion_prompt(call.prompt)  # bad prompts fail before a session opens
+        # bad prompts fail before a session opens; one that cannot fit even with clipping, before it is tokenized
+        try:
+            prompt = await self.planner.completion_prompt(call.prompt, self.engine.context_length - 1)
+        except PromptTooLong as exc:
+            raise self._too_long(exc.floor, call.sampling, clip=True) from None
         async for event in self._serve(call, prompt, streamed):
             yield event
 
@@ -289,7 +294,11 @@ class Gateway:
                 plan = self.planner.completion(session.tree, completion_prompt)
             else:
                 assert isinstance(call, ChatCall)
-                plan = await self.planner.chat(session.tree, call)
+                clip = self._clips(session)
+                try:
+                    plan = await self.planner.chat(session.tree, call, self._room(call.sampling, clip))
+                except PromptTooLong as exc:
+                    raise self._too_long(exc.floor, call.sampling, clip) from None
             sampling = self._check_room(plan.prompt, call.sampling, self._clips(session))
             if self._banned:  # a vision model: its placeholders are never sampled
                 sampling = dataclasses.replace(sampling, banned_token_ids=self._banned)
@@ -410,6 +419,22 @@ class Gateway:
         """Whether a `max_tokens` beyond the room left is clipped (finish `length`) rather than refused:
         opt-in for the whole gateway (`clip_max_tokens`) or per session (metadata `max_tokens: clip`)."""
         return self.clip_max_tokens or session.tree.outcome.metadata.get("max_tokens") == "clip"
+
+    def _room(self, sampling: SamplingParams, clip: bool) -> int:
+        """The most tokens a prompt may hold (`_check_room`'s rule, before the prompt is known)."""
+        context = self.engine.context_length
+        return context - 1 if clip else context - (sampling.max_tokens or 1)
+
+    def _too_long(self, floor: int, sampling: SamplingParams, clip: bool) -> ContextOverflow:
+        """The refusal of a prompt known to hold at least `floor` tokens by the length of its text, more
+        than `_room` leaves: found before it was rendered whole or tokenized (`render.bounds`)."""
+        context = self.engine.context_length
+        wanted = "" if clip else f", and {sampling.max_tokens or 1} more to generate"
+        return ContextOverflow(
+            f"this model's context holds {context} tokens; the prompt holds at least {floor} by the length of its "
+            f"text alone{wanted}",
+            param="messages",
+        )
 
     def _check_room(self, prompt: Sequence[int], sampling: SamplingParams, clip: bool = False) -> SamplingParams:
         outside = sampling.token_ids_outside(self.renderer.tokenizer.vocab_size)

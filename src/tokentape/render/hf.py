@@ -121,6 +121,22 @@ class HFTokenizer:
         ids: list[int] = plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return ids
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int | None:
+        """The most bytes of text one token stands for (`render.bounds`); None where the tokenizer may
+        drop text or fold a run of it into one token (`_covers_its_text`)."""
+        growth = _covers_its_text(self._tokenizer)
+        if growth is None:
+            return None
+        added = self._tokenizer.get_added_tokens_decoder()
+        longest = max((len(token.content.encode()) for token in added.values()), default=0)
+        pieces = self._tokenizer.get_vocab(with_added_tokens=False)
+        if self._byte_level:  # a byte-level character is one byte
+            longest = max(longest, max(map(len, pieces), default=0))
+        else:  # "\u2581" is a space, the rest UTF-8
+            longest = max(longest, max((len(p.replace("\u2581", " ").encode()) for p in pieces), default=0))
+        return max(longest, 4) * growth  # 4: one character an unknown token stands for
+
     @functools.lru_cache(maxsize=262144)  # noqa: B019 - bounded; tokenizers live as long as the server
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
@@ -144,6 +160,52 @@ class HFTokenizer:
     def decode_all(self, token_ids: Sequence[int]) -> str:
         pieces = (self._added[t].encode() if t in self._control else self.token_bytes(t) for t in token_ids)
         return b"".join(pieces).decode("utf-8", "replace")
+
+
+# how much each Unicode normal form may shrink text, in bytes: NFC joins three Hangul jamo (9 bytes)
+# into one syllable (3); NFKC also takes a 4-byte mathematical letter to one ASCII letter
+_NORMAL_FORMS = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4}
+_KEEPING_SPLITS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"})
+
+
+def _covers_its_text(tokenizer: tokenizers.Tokenizer) -> int | None:
+    """By how much the normalizer may shrink text (1, or `_NORMAL_FORMS`' factor), where every byte of
+    text reaches a token that covers at most its own length: a BPE model that fuses no unknowns, a
+    normalizer that only composes or adds, a pre-tokenizer that drops nothing, added tokens that strip
+    no whitespace. Else None."""
+    model = tokenizer.model
+    if not isinstance(model, tokenizers.models.BPE) or getattr(model, "fuse_unk", False):
+        return None
+    if any(token.lstrip or token.rstrip for token in tokenizer.get_added_tokens_decoder().values()):
+        return None
+    growth = 1
+    normalizer = tokenizer.normalizer
+    steps = _steps(None if normalizer is None else json.loads(normalizer.__getstate__()), "normalizers")
+    for step in steps:
+        kind = step.get("type")
+        if kind in _NORMAL_FORMS:
+            growth = max(growth, _NORMAL_FORMS[kind])
+        elif kind == "Prepend" or (
+            kind == "Replace" and step.get("pattern") == {"String": " "} and step.get("content") == "\u2581"
+        ):
+            continue
+        else:
+            return None
+    split = tokenizer.pre_tokenizer
+    for step in _steps(None if split is None else json.loads(split.__getstate__()), "pretokenizers"):
+        kind = step.get("type")
+        if kind not in _KEEPING_SPLITS and not (kind == "Split" and step.get("behavior") != "Removed"):
+            return None
+    return growth
+
+
+def _steps(state: Mapping[str, Any] | None, key: str) -> list[Mapping[str, Any]]:
+    """A serialised normalizer's or pre-tokenizer's steps (a Sequence's, or itself alone)."""
+    if state is None:
+        return []
+    if state.get("type") == "Sequence":
+        return [step for inner in state.get(key) or [] for step in _steps(inner, key)]
+    return [state]
 
 
 def _token_content(value: Any) -> str:

@@ -8,6 +8,7 @@ the schema), the token utilities, the session and admin routes, and the gateway'
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -203,12 +204,14 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("send either 'prompt' or 'messages'", param="prompt")
         if req.prompt is not None:
-            tokens = tokenizer.encode(req.prompt)
+            prompt: str = req.prompt
+            tokens = await asyncio.to_thread(tokenizer.encode, prompt)  # any length: off the event loop
         else:
             messages = [flatten_text_parts(m) for m in raw["messages"]]
             options = RenderOptions(tools=req.tools, template_kwargs=req.chat_template_kwargs)
-            text = gateway.renderer.render_text(messages, req.add_generation_prompt, options)
-            tokens = gateway.renderer.encode(text)
+            renderer = gateway.renderer
+            text = await asyncio.to_thread(renderer.render_text, messages, req.add_generation_prompt, options)
+            tokens = await asyncio.to_thread(renderer.encode, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": gateway.engine.context_length}
 
     @openai_routes.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))

@@ -139,7 +139,7 @@ class Serving:
             self.check_model(req.model)
             caller = self.caller(request, req.session_id, await request.body())
             streams = bool(req.stream)
-            call = dialect.to_call(req, raw, caller)
+            call = await _to_call(dialect, req, raw, caller, await request.body())
             events = self.gateway.run(call, streamed=streams)
             started = await _first(events)
             headers = {"X-Session-ID": started.session_id}
@@ -218,6 +218,17 @@ def request_key(path: str, body: bytes, *, named: bool) -> bytes:
 def _checked(name: str | None) -> str | None:
     """A session name as sent (an empty one counts as none), or InvalidRequest."""
     return check_session_id(name) if name else None
+
+
+OFF_LOOP_BODY = 256 * 1024  # a body this large is made a call on a worker thread
+
+
+async def _to_call(dialect: Dialect[Any], req: Any, raw: dict[str, Any], caller: Caller, body: bytes) -> Call:
+    """The dialect's call; on a worker thread for a large body or one that carries base64 data
+    (images, decoded there: `dialects.images`), so that none of it holds the event loop."""
+    if len(body) < OFF_LOOP_BODY and b"base64" not in body:
+        return dialect.to_call(req, raw, caller)
+    return await asyncio.to_thread(dialect.to_call, req, raw, caller)
 
 
 def _is_retry(request: Request) -> bool:

@@ -8,6 +8,14 @@ bytes, redirects and time), and the image goes on as if it had been sent inline.
 
 What comes out is the gateway's image part, `{"type": "image", "image": <digest>}`, and the decoded
 image under its digest in the intake.
+
+Decoding is bounded before it starts, and never held on the event loop: each image's type and size
+are read from its header as it is parsed (Pillow's `Image.open` reads no pixels), its pixels checked
+against `max_pixels` and the pixels still to decode in the request against `max_total_pixels`; only
+once every image of the request has passed are they decoded, one at a time (`ImageIntake.finish`,
+which `LazyIntake.images` runs at the end of parsing). The serving layer parses a request that
+carries base64 data on a worker thread (`serving.parsed_off_loop`), so the decoding runs there: 65
+distinct 4096 x 4096 PNGs of 50 KB each once held the loop 6-16 s a request.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ class ImageLimits:
     max_bytes: int = 10 * 1024 * 1024
     max_images: int = 64  # distinct images: a screenshot the history repeats counts once
     max_pixels: int = 4096 * 4096
+    # the pixels one request may have decoded (images checked lately are not decoded again): sixteen
+    # 4096 x 4096 images, 129 screenshots of 1920 x 1080; about a second of decoding on one core
+    max_total_pixels: int = 16 * 4096 * 4096
     allow_fetch: bool = False
     fetch_networks: tuple[str, ...] = ()  # CIDRs fetched although not public (an internal image store)
     max_fetch_bytes: int = 32 * 1024 * 1024  # all of one request's fetched images: twice the body limit
@@ -81,6 +92,8 @@ class ImageIntake:
         self.model = model
         self.refusal = refusal  # (width, height) -> why the model's processor refuses that size, or None
         self.images: dict[str, DecodedImage] = {}
+        self._pending: list[tuple[str, bytes, str]] = []  # (digest, bytes, where) checked from their header only
+        self._pending_pixels = 0
 
     def url(self, url: Any, where: str) -> dict[str, Any]:
         """An `image_url` (a `data:` URL with base64 content)."""
@@ -137,7 +150,7 @@ class ImageIntake:
             facts = _checked.get(digest)
             known = None if facts is None else DecodedImage(digest, raw, *facts)
             fits = known is not None and known.width * known.height <= self.limits.max_pixels
-            image = known if known is not None and fits else self._decode(raw, digest, where)
+            image = known if known is not None and fits else self._header(raw, digest, where)
             reason = self.refusal(image.width, image.height) if self.refusal is not None else None
             if reason is not None:
                 raise InvalidRequest(
@@ -149,12 +162,9 @@ class ImageIntake:
             self.images[digest] = image
         return {"type": IMAGE_PART, IMAGE_PART: digest}
 
-    def _decode(self, raw: bytes, digest: str, where: str) -> DecodedImage:
-        image = self._decoded(raw, digest, where)
-        _checked.put(digest, (image.media_type, image.width, image.height))
-        return image
-
-    def _decoded(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+    def _header(self, raw: bytes, digest: str, where: str) -> DecodedImage:
+        """What an image's header says (type, size), checked against the limits; its pixels are decoded
+        by `finish`, once every image of the request has been checked."""
         from PIL import Image
 
         try:
@@ -162,20 +172,15 @@ class ImageIntake:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 with Image.open(io.BytesIO(raw)) as image:
                     fmt, (width, height) = image.format, image.size
-                    if width * height > self.limits.max_pixels:
-                        raise InvalidRequest(
-                            f"{where}: the image is {width}x{height} pixels; at most {self.limits.max_pixels:,} "
-                            "pixels are accepted",
-                            param=where,
-                            code="image_too_large",
-                        )
-                    image.load()  # decode it all: a truncated or corrupt file fails here, not in the processor
-        except InvalidRequest:
-            raise
         except Exception as exc:
+            raise self._undecodable(where, exc) from exc
+        if width * height > self.limits.max_pixels:
             raise InvalidRequest(
-                f"{where}: the image cannot be decoded ({type(exc).__name__})", param=where, code="invalid_image"
-            ) from exc
+                f"{where}: the image is {width}x{height} pixels; at most {self.limits.max_pixels:,} pixels "
+                "are accepted",
+                param=where,
+                code="image_too_large",
+            )
         media_type = _FORMAT_TYPES.get(fmt or "")
         if media_type is None:
             raise InvalidRequest(
@@ -183,7 +188,39 @@ class ImageIntake:
                 param=where,
                 code="unsupported_image_type",
             )
+        self._pending_pixels += width * height
+        if self._pending_pixels > self.limits.max_total_pixels:
+            raise InvalidRequest(
+                f"{where}: the request's new images hold {self._pending_pixels:,} pixels so far; at most "
+                f"{self.limits.max_total_pixels:,} are decoded for one request (send fewer or smaller images)",
+                param=where,
+                code="image_too_large",
+            )
+        self._pending.append((digest, raw, where))
         return DecodedImage(digest, raw, media_type, width, height)
+
+    def finish(self) -> None:
+        """Decode every image checked from its header only (a truncated or corrupt file fails here, not
+        in the processor), one at a time; each one decoded is remembered (`_checked`)."""
+        from PIL import Image
+
+        pending, self._pending = self._pending, []
+        for digest, raw, where in pending:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    with Image.open(io.BytesIO(raw)) as image:
+                        image.load()
+            except Exception as exc:
+                raise self._undecodable(where, exc) from exc
+            decoded = self.images[digest]
+            _checked.put(digest, (decoded.media_type, decoded.width, decoded.height))
+
+    @staticmethod
+    def _undecodable(where: str, exc: Exception) -> InvalidRequest:
+        return InvalidRequest(
+            f"{where}: the image cannot be decoded ({type(exc).__name__})", param=where, code="invalid_image"
+        )
 
     def _too_large(self, where: str) -> InvalidRequest:
         return InvalidRequest(
@@ -221,8 +258,11 @@ class LazyIntake:
 
     @property
     def images(self) -> dict[str, DecodedImage] | None:
-        """The request's images by digest; None when it brought none."""
-        return None if self._intake is None else self._intake.images
+        """The request's images by digest, each decoded (`ImageIntake.finish`); None when it brought none."""
+        if self._intake is None:
+            return None
+        self._intake.finish()
+        return self._intake.images
 
 
 # Images decoded lately, by digest: agents send their whole history each turn, and a screenshot checked
