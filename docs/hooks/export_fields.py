@@ -102,6 +102,12 @@ BRANCH: dict[str, Field] = {
         "Whether each turn was sampled under a constraint (a required or named tool call, a JSON "
         "response format): its logprobs are then not the free policy's.",
     ),
+    "notes": (
+        "list[list[str]]",
+        "turn",
+        "Per turn, what its request sent that the model was not shown, in words (e.g. the hosted tools a "
+        "Responses request offered, which no engine here runs, left out of the tool list); empty if nothing.",
+    ),
     "sampling": (
         "list[object | null]",
         "turn",

@@ -182,6 +182,10 @@ async def test_a_codex_session_runs_and_every_instruction_reaches_the_model(
     assert (second.model_extra or {})["prompt_token_ids"][: len(head)] == head
     summary = httpx.get(f"{base}/sessions/codex").json()
     assert (summary["turns"], summary["branches"], summary["rewrites"]) == (2, 1, 0)
+    # each turn records that the model was not shown web_search
+    (branch,) = httpx.get(f"{base}/sessions/codex/export").json()["branches"]
+    note = "hosted tools left out of the prompt (no engine here runs them): tools[2] (web_search)"
+    assert branch["notes"] == [[note], [note]]
 
 
 async def test_what_cannot_be_honoured_is_refused_by_name(

@@ -91,6 +91,8 @@ def export_branch(branch: BranchView, images: Mapping[str, DecodedImage] | None 
         "logprob_modes": [node.logprob_mode for node in branch.nodes],
         # per turn: sampled under a constraint (its logprobs are not the free policy's)
         "constrained": [node.constrained for node in branch.nodes],
+        # per turn: what its request sent that the model was not shown (hosted tools left out, ...)
+        "notes": [list((node.template_inputs or {}).get("notes") or ()) for node in branch.nodes],
         # per turn: temperature, top_p, top_k, min_p it was sampled with (None: not recorded)
         "sampling": [None if node.sampling is None else dict(node.sampling) for node in branch.nodes],
         **version_fields(branch),

@@ -113,15 +113,20 @@ def flatten_text_parts(message: Message) -> Message:
 
 
 def template_inputs(
-    tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any] | None
+    tools: Sequence[Mapping[str, Any]] | None,
+    template_kwargs: Mapping[str, Any] | None,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any] | None:
     """What a chat template reads besides the messages (the tools offered, `chat_template_kwargs`),
-    in the form a turn records it; None when the request gave neither."""
+    in the form a turn records it, with `notes`: what the request sent that the model was not shown
+    (e.g. hosted tools left out of the tool list), in words; None when the request gave none of them."""
     inputs: dict[str, Any] = {}
     if tools:
         inputs["tools"] = [dict(tool) for tool in tools]
     if template_kwargs:
         inputs["template_kwargs"] = dict(template_kwargs)
+    if notes:
+        inputs["notes"] = list(notes)
     return inputs or None
 
 

@@ -76,16 +76,18 @@ class RenderOptions:
 
     tools: Sequence[Mapping[str, Any]] | None = None
     template_kwargs: Mapping[str, Any] | None = None
+    notes: tuple[str, ...] = ()  # what the request sent that the template is not given (recorded, not rendered)
 
     def inputs(self) -> dict[str, Any] | None:
         """These options as a turn records them (`messages.template_inputs`)."""
-        return template_inputs(self.tools, self.template_kwargs)
+        return template_inputs(self.tools, self.template_kwargs, self.notes)
 
     @classmethod
     def of(cls, inputs: Mapping[str, Any] | None) -> RenderOptions:
         """The options a turn recorded."""
         inputs = inputs or {}
-        return cls(tools=inputs.get("tools"), template_kwargs=inputs.get("template_kwargs"))
+        notes = tuple(str(note) for note in inputs.get("notes") or ())
+        return cls(tools=inputs.get("tools"), template_kwargs=inputs.get("template_kwargs"), notes=notes)
 
 
 @dataclass(frozen=True, slots=True)

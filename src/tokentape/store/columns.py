@@ -72,6 +72,7 @@ def _columns(fmt: Format) -> dict[str, pa.DataType]:
             "turn_ids": ints,
             "trace_ids": texts,
             "logprob_modes": texts,
+            "notes": pa.list_(texts),
             "sampling": text,
             **images,
             "logprob_mode": text,

@@ -186,17 +186,20 @@ def chat_call(
     template_kwargs: Mapping[str, Any] | None = None,
     session_id: str | None = None,
     images: Mapping[str, DecodedImage] | None = None,
+    notes: Sequence[str] = (),
 ) -> ChatCall:
     """A chat-like request as the gateway's chat call, its tools and answer format already in chat
     completions' terms: tool calls are parsed when tools are offered and not switched off, and the
     output is constrained to what `tool_choice` and the answer format demand. `template_kwargs` are
-    the dialect's own (e.g. Messages' `enable_thinking`); the request's `chat_template_kwargs` win."""
+    the dialect's own (e.g. Messages' `enable_thinking`); the request's `chat_template_kwargs` win.
+    `notes`: what the request sent that the model is not shown, recorded with the turn (`notes` in
+    the export)."""
     if req.chat_template_kwargs is not None:
         template_kwargs = {**(template_kwargs or {}), **req.chat_template_kwargs}
     return ChatCall(
         messages=messages,
         sampling=sampling,
-        options=RenderOptions(tools=tools, template_kwargs=template_kwargs),
+        options=RenderOptions(tools=tools, template_kwargs=template_kwargs, notes=tuple(notes)),
         session_id=session_id if session_id is not None else caller.session_id,
         rewrite_policy=check_policy(req.rewrite_policy) if req.rewrite_policy is not None else None,
         parse_tool_calls=bool(tools) and tool_choice != "none",

@@ -821,6 +821,7 @@ class OpenAIResponses(Dialect[ResponsesRequest]):
             template_kwargs={"reasoning_effort": effort} if isinstance(effort, str) else None,
             session_id=session_id,
             images=images.images,
+            notes=(table.note,) if table.note else (),
         )
 
     def _shaper(self, req: ResponsesRequest, started: Started) -> ResponseShaper:
