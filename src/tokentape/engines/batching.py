@@ -12,11 +12,14 @@ used idle slot is emptied; if none is idle, the generation that joined last give
 waits to be recomputed (its sampled tokens, its random state and its grammar state kept), so one
 client's long turn never fails another's.
 
-A generation's grammar (its output constraint) is followed off the worker, on a thread of its own per
-token: llama.cpp's grammar sampler costs what the grammar makes it cost (an ambiguous pattern such as
+A generation's grammar (its output constraint) is followed off the worker, on the engine's grammar
+threads (`grammar_pool`: at most `GRAMMAR_THREADS`, 4, however many masks are asked for; more wait in
+line): llama.cpp's grammar sampler costs what the grammar makes it cost (an ambiguous pattern such as
 `^(a?){160}$` took half a minute a token), so the worker waits for a mask only as long as the step's
 decode took, steps on without a generation whose mask is late (it samples once the mask is ready), and
-fails one whose mask takes longer than `GRAMMAR_SECONDS` for one token; the others never wait on it.
+fails one whose mask is not there `GRAMMAR_SECONDS` after it was asked for (in line or running); the
+others never wait on it. A mask that cannot be stopped keeps its thread until it returns, and counts
+against the pool all that time; one still in line when its generation ends never runs.
 
 No request can stop the worker: an error while sampling one generation fails that generation alone;
 an error anywhere else in a step fails the generations of that step, whose KV is dropped, and the
@@ -41,12 +44,22 @@ import numpy as np
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import LogprobMode, SampledToken
+from tokentape.engines.grammar_pool import GRAMMAR_THREADS, GrammarPool
 from tokentape.engines.sampler import LogitShaper, sample_token
 from tokentape.engines.slots import SlotTable, shared_prefix
 from tokentape.engines.threads import ThreadTuner
-from tokentape.errors import InvalidRequest
+from tokentape.errors import InvalidRequest, Overloaded
 
-__all__ = ["Batcher", "Generation", "Native", "NativeSettings", "WorkerFault", "DONE", "GRAMMAR_SECONDS"]
+__all__ = [
+    "Batcher",
+    "Generation",
+    "Native",
+    "NativeSettings",
+    "WorkerFault",
+    "DONE",
+    "GRAMMAR_SECONDS",
+    "GRAMMAR_THREADS",
+]
 
 log = logging.getLogger("tokentape.engine")
 
@@ -211,6 +224,7 @@ class Batcher:
         on_finish: Callable[[Generation], None],
         threads: int = 1,
         tuner: ThreadTuner | None = None,
+        grammar_threads: int = GRAMMAR_THREADS,
     ) -> None:
         self.native = native
         self.threads = threads  # what the native context computes with now
@@ -239,6 +253,7 @@ class Batcher:
         self._decode_seconds = 0.0  # how long the last step's decode took: what a late mask may be waited for
         self._grammar_jobs: set[Future[np.ndarray]] = set()  # masks still running (also of ended generations)
         self._jobs_lock = threading.Lock()
+        self.grammars = GrammarPool(grammar_threads)  # the threads masks run on
         self._thread = self._launch()
 
     # -- from any thread -------------------------------------------------------------------------------
@@ -283,6 +298,7 @@ class Batcher:
         self.ensure_alive()  # a dead worker is started again to take the close and fail what it held
         self._thread.join()
         self._closed = True
+        self.grammars.close()
 
     def ensure_alive(self) -> bool:
         """Start the worker again if its thread has died; whether it had."""
@@ -443,7 +459,8 @@ class Batcher:
                 masking, generation.masking = generation.masking, None
                 if masking is None:
                     mask.close()
-                else:  # freed once its thread is done with it (at once if it is)
+                else:  # freed once its thread is done with it (at once if it is, or never started)
+                    masking.cancel()  # still in line: it never runs
                     masking.add_done_callback(lambda _: mask.close())
         finally:
             self._on_finish(generation)
@@ -512,24 +529,21 @@ class Batcher:
             self._await_masks(self._decode_seconds, every=True)
 
     def _mask_later(self, generation: Generation, logits: np.ndarray) -> None:
-        """Start the generation's grammar on its logits, on a thread of its own (see the module's doc)."""
+        """Put the generation's grammar to work on its logits, on the grammar threads (see the module's doc)."""
         mask, token = generation.mask, generation.unaccepted
         generation.unaccepted = None
-        done: Future[np.ndarray] = Future()
 
-        def run() -> None:
-            try:
-                if token is not None:
-                    mask.accept(token)
-                done.set_result(mask.apply(logits))
-            except BaseException as exc:
-                done.set_exception(exc)
+        def run() -> np.ndarray:
+            if token is not None:
+                mask.accept(token)
+            masked: np.ndarray = mask.apply(logits)
+            return masked
 
+        done = self.grammars.submit(run)
         with self._jobs_lock:
             self._grammar_jobs.add(done)
         done.add_done_callback(self._forget_job)
         generation.masking, generation.masking_since = done, time.monotonic()
-        threading.Thread(target=run, name="llamacpp-grammar", daemon=True).start()
 
     def _forget_job(self, job: Future[np.ndarray]) -> None:
         with self._jobs_lock:
@@ -559,14 +573,26 @@ class Batcher:
                 else:
                     self._sample(generation, masking.result(), masked=True)
             elif now - generation.masking_since > GRAMMAR_SECONDS:
-                log.warning("a grammar took over %.0f s for one token; its generation fails", GRAMMAR_SECONDS)
-                generation.emit(
-                    InvalidRequest(
-                        f"the output constraint's grammar took more than {GRAMMAR_SECONDS:g} s to follow for one"
-                        " token; the generation was stopped (a simpler schema or pattern is needed)",
-                        code="grammar_too_costly",
+                if masking.running():
+                    log.warning("a grammar took over %.0f s for one token; its generation fails", GRAMMAR_SECONDS)
+                    generation.emit(
+                        InvalidRequest(
+                            f"the output constraint's grammar took more than {GRAMMAR_SECONDS:g} s to follow for one"
+                            " token; the generation was stopped (a simpler schema or pattern is needed)",
+                            code="grammar_too_costly",
+                        )
                     )
-                )
+                else:  # still in line: every grammar thread was busy with others the whole time
+                    log.warning(
+                        "a grammar waited over %.0f s for a grammar thread; its generation fails", GRAMMAR_SECONDS
+                    )
+                    busy = Overloaded(
+                        f"every grammar thread ({self.grammars.size}) was busy with other output constraints for"
+                        f" more than {GRAMMAR_SECONDS:g} s; retry later",
+                        retry_after=GRAMMAR_SECONDS,
+                    )
+                    busy.code = "grammar_threads_busy"
+                    generation.emit(busy)
                 self._finish(generation)
 
     def _plan(self) -> tuple[list[tuple[int, int, int, bool]], list[tuple[Generation, int]]]:

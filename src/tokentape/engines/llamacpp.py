@@ -40,7 +40,7 @@ from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
 from tokentape.engines.sampler import LogitShaper
 from tokentape.engines.threads import ThreadTuner
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
-from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest
+from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest, Overloaded
 
 __all__ = ["DEFAULT_PARALLEL", "LlamaCppEngine", "LlamaCppSettings", "all_threads", "default_threads"]
 
@@ -210,7 +210,7 @@ class LlamaCppEngine:
                     continue
                 if item is DONE:
                     break
-                if isinstance(item, InvalidRequest):
+                if isinstance(item, (InvalidRequest, Overloaded)):  # the request's own (its grammar), not the engine's
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineFailure(f"the embedded engine failed: {item}") from item
