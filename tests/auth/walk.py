@@ -26,6 +26,7 @@ BODIES: dict[str, dict[str, Any]] = {  # a valid request for each route that nee
     "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 1},
     "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 1},
     "/v1/messages": {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     "/inference/v1/generate": {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}},
     "/v1/tokenize": {"prompt": "Hi"},
     "/v1/detokenize": {"tokens": [1, 2]},
@@ -86,9 +87,9 @@ def expected(kind: str, template: str) -> set[int] | None:
 
 
 def error_shape_ok(path: str, status: int, body: Any) -> bool:
-    """401 and 403 in the dialect's error shape: Anthropic's on the Messages route, OpenAI's elsewhere."""
+    """401 and 403 in the dialect's error shape: Anthropic's on the Messages routes, OpenAI's elsewhere."""
     kind = {401: "authentication_error", 403: "permission_error"}[status]
-    if path.rstrip("/").endswith("/v1/messages"):
+    if path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens")):
         return body.get("type") == "error" and body["error"]["type"] == kind and bool(body["error"]["message"])
     return body["error"]["type"] == kind and bool(body["error"]["code"]) and bool(body["error"]["message"])
 

@@ -641,6 +641,9 @@ def count_tokens_route(serving: Serving, dialect: AnthropicMessages) -> Callable
     strips, re-serialised tool arguments), the engine's prompt is the tape's and can differ by those."""
 
     async def count_tokens(request: Request) -> Response:
+        """Anthropic Messages' token count: `model`, `messages`, `system`, `tools`, `tool_choice`,
+        `thinking` in, `{"input_tokens": N}` out, N the prompt a generation with them would send the
+        engine as a new conversation. Nothing is recorded; errors in Anthropic's shape."""
         use_error_shape(request, ANTHROPIC_ERRORS)
         raw = await json_object(request)
         try:
