@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokentape.core.episodes import episode_head, is_side_call, side_session_id
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
 from tokentape.core.staleness import GroupAdmission, Staleness, first_version, is_stale, session_bound
@@ -402,6 +403,8 @@ class Gateway:
         if session_id is None and call.request_key is not None:
             self.sessions.remember_unnamed(call.request_key, session.id)
         return Ticket(
+        if isinstance(call, ChatCall) and session_id is not None:
+            session, created = await self._episode_or_side(session, created, call)
             self.sessions,
             self.admission,
             session,
@@ -412,13 +415,34 @@ class Gateway:
         )
 
     def _track_write(self, write: asyncio.Future[None]) -> None:
+    async def _episode_or_side(self, session: Session, created: bool, call: ChatCall) -> tuple[Session, bool]:
+        """In a harness's session (named by its own id, or opened with metadata `harness`), a side
+        call goes to a session of its own in the episode's group, marked `side_of` (`core.episodes`)."""
+        metadata = session.tree.outcome.metadata
+        harness = call.harness or metadata.get("harness")
+        if not isinstance(harness, str):
+            return session, created
+        head = episode_head(call.messages)
+        if not is_side_call(head, bool(call.options.tools), metadata, harness):
+            if "episode_head" not in metadata:
+                session.tree.outcome.metadata = {**metadata, "harness": harness, "episode_head": head}
+            return session, created
+        side, side_created = await self.sessions.open(side_session_id(session.id, head), call.rewrite_policy)
+        outcome = side.tree.outcome
+        if "side_of" not in outcome.metadata:
+            outcome.group_id = session.tree.outcome.group_id or session.id
+            outcome.metadata = {**outcome.metadata, "side_of": session.id, "harness": harness}
+        return side, side_created
+
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
 
     def _clips(self, session: Session) -> bool:
         """Whether a `max_tokens` beyond the room left is clipped (finish `length`) rather than refused:
-        opt-in for the whole gateway (`clip_max_tokens`) or per session (metadata `max_tokens: clip`)."""
-        return self.clip_max_tokens or session.tree.outcome.metadata.get("max_tokens") == "clip"
+        opt-in for the whole gateway (`clip_max_tokens`) or per session (metadata `max_tokens: clip`),
+        and always for a harness's sessions (Claude Code asks for 128,000, opencode for 32,000)."""
+        metadata = session.tree.outcome.metadata
+        return self.clip_max_tokens or metadata.get("max_tokens") == "clip" or "harness" in metadata
 
     def _room(self, sampling: SamplingParams, clip: bool) -> int:
         """The most tokens a prompt may hold (`_check_room`'s rule, before the prompt is known)."""

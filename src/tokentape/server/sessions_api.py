@@ -22,7 +22,7 @@ from tokentape.core.session import SessionTree
 from tokentape.core.staleness import LagMode, LagWindow, lag_filter
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import check_policy
+from tokentape.gateway.sessions import Session, check_policy
 from tokentape.server.bodies import json_object
 from tokentape.server.errors import json_response
 from tokentape.server.keys import SessionKeys
@@ -127,6 +127,18 @@ def _lag(max_lag: str | None, lag_mode: str | None, current: int, fmt: str | Non
     if mode == "mask" and fmt not in (None, "tokentape", "verifiers"):
         raise InvalidRequest("lag_mode mask needs a per-token mask: format tokentape or verifiers", param="lag_mode")
     return LagWindow(current, lag, mode)
+
+
+def _side_calls(value: str | None) -> bool | None:
+    """The export's `side_calls`: absent or false leaves them out (False), true takes all (None),
+    only takes them alone (True)."""
+    if value is None or value == "false":
+        return False
+    if value == "true":
+        return None
+    if value == "only":
+        return True
+    raise InvalidRequest("side_calls must be true, false or only", param="side_calls")
 
 
 def _rows_response(
@@ -253,15 +265,20 @@ def add_session_routes(
         if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
             raise InvalidRequest(f"metadata is limited to {MAX_METADATA_BYTES} bytes of JSON", param="metadata")
         session.tree.outcome.metadata = metadata
+        for side in sessions.side_sessions(session_id):  # a harness's side calls end with its episode
+            await _finish(side)
+        await _finish(session)
+        return session.summary()
+
+    async def _finish(session: Session) -> None:
         newly = not session.tree.outcome.finished
         session.finish()
         await sessions.persist(session)
-        keys.revoke(session_id)
+        keys.revoke(session.id)
         if forget is not None:
-            forget(session_id)
+            forget(session.id)
         if newly:
             gateway.metrics.session_finished()
-        return session.summary()
 
     @app.get("/sessions/{session_id}/export")
     async def export(
@@ -309,17 +326,21 @@ def add_session_routes(
         max_lag: str | None = None,
         lag_mode: str | None = None,
         weighting: str = "rows",
+        side_calls: str | None = None,
     ) -> Response:
         """Many sessions as a dataset (formats: tokentape, openrlhf, atropos, verifiers, stepwise,
         packed; outputs: json, jsonl, parquet), filtered by group, finished state, creation time and
         session id prefix, and by `max_lag` (`lag_mode` drop or mask) against the gateway's current
-        version; `weighting` (rows, tokens, none) splits each session's one vote over its rows."""
+        version; `weighting` (rows, tokens, none) splits each session's one vote over its rows. A
+        harness's side calls (titles, summaries, subagents: sessions marked `side_of`) are left out
+        unless `side_calls=true` (with the episodes) or `only` (they alone)."""
         where = SessionFilter(
             group_id=group_id,
             finished=_flag(finished, "finished"),
             since=_time(since, "since"),
             until=_time(until, "until"),
             prefix=prefix,
+            side_calls=_side_calls(side_calls),
         )
         fmt, out = check_format(format), _output(output)
         lag = _lag(max_lag, lag_mode, gateway.gate.version, fmt)
