@@ -58,9 +58,38 @@ def test_train_with_trl_is_two_clicks_from_the_home_page(site: Path) -> None:
 
 
 def test_every_relative_link_of_the_readme_exists() -> None:
+    """On the repository host a link to a page the site generates (the CLI, HTTP and export
+    references) would be a 404: every link is to a file in the repository."""
     readme = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
     relative = [link for link in links if "://" not in link]
     assert len(relative) > 10
     for link in relative:
-        assert (ROOT / link).exists() or link in GENERATED, link
+        assert (ROOT / link).exists(), link
+    assert not GENERATED & set(relative)
+
+
+def test_every_trainer_guide_is_one_click_from_the_home_page_and_the_readme(site: Path) -> None:
+    home = (site / "index.html").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for guide in ("trl", "atropos", "openrlhf", "verl", "skyrl"):
+        assert f'href="guides/{guide}/"' in home, guide
+    for guide in ("trl", "verl", "skyrl"):
+        assert f"](docs/guides/{guide}.md)" in readme, guide
+
+
+def test_the_getting_help_page_is_in_the_site_and_its_nav(site: Path) -> None:
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert {"Getting help": "help.md"} in nav
+    page = re.sub(r"<[^>]+>", "", (site / "help/index.html").read_text())  # the text, out of its highlighting
+    assert "tokentape --version" in page and "tokentape doctor" in page and "--log-level debug" in page
+
+
+def test_no_page_installs_tokentape_from_an_index() -> None:
+    """tokentape is not on PyPI: an install line names a clone, a path or a wheel, never the bare name."""
+    bare = re.compile(r"""pip install (?:--?[\w-]+(?:=\S+)? )*['"]?tokentape(?:\[[\w,]+\])?['"]?(?:\s|$)""")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "src").rglob("*.py"))]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in bare.finditer(p.read_text())]
+    assert not found, found
