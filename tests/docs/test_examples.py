@@ -187,7 +187,10 @@ async def test_the_skyrl_agent_runs_through_the_generator_on_the_dataset(
     ]
     assert out["rewards"] == [1.0] * 4  # the agent read each row's ground truth and the scripted answers
     assert out["tokentape_status"] == ["done"] * 4  # type: ignore[typeddict-item]
-    assert out["response_ids"] == client.answers and all(set(m) == {1} for m in out["loss_masks"])
+    # each row's response is the scripted answer to its own question (the trajectories run concurrently)
+    answers = [[*tokenizer.encode(f"Answer: {t}", add_special_tokens=False), client.end] for t in truths]
+    assert out["response_ids"] == answers and sorted(map(tuple, client.answers)) == sorted(map(tuple, answers))
+    assert all(set(m) == {1} for m in out["loss_masks"])
 
 
 # ---- verl ---------------------------------------------------------------------------------------------
