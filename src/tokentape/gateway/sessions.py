@@ -242,6 +242,10 @@ class SessionRegistry:
     def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session.id)
+    def side_sessions(self, session_id: str) -> list[Session]:
+        """The side-call sessions of a harness episode held in memory (`core.episodes`)."""
+        return [s for s in self._sessions.values() if s.tree.outcome.metadata.get("side_of") == session_id]
+
 
     def _keep(self, session: Session) -> Session:
         """Hold a session in memory, unless another task put it there first while we awaited."""
