@@ -26,10 +26,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokentape.core.reply import ToolFormat
-from tokentape.errors import InvalidRequest, NotFound, TokentapeError
+from tokentape.errors import NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import check_session_id
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.bodies import json_object
 from tokentape.server.dialects.common import Caller, WireRequest
@@ -37,10 +36,10 @@ from tokentape.server.dialects.images import ImageIntake, ImageLimits
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 from tokentape.server.image_urls import fetch_remote_images, remote_image_urls
 from tokentape.server.reparse import Reparser
+from tokentape.server.session_names import SESSION_HEADER, harness_session, named_session
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
 
-SESSION_HEADER = "x-session-id"
 PREFIX_MATCH_HEADER = "X-Tokentape-Prefix-Match"  # matched | new | ambiguous | unmatched (serve --match-prefix)
 RETRY_HEADER = "x-stainless-retry-count"  # what the openai and anthropic SDKs send on a retry
 CLIENT_GONE = 499  # the status of a whole answer whose client left before it was made (nginx's code)
@@ -137,7 +136,7 @@ class Serving:
             except pydantic.ValidationError as exc:
                 raise invalid_from_validation(exc) from exc
             self.check_model(req.model)
-            caller = self.caller(request, req.session_id, await request.body())
+            caller = self.caller(request, raw, await request.body())
             streams = bool(req.stream)
             call = await _to_call(dialect, req, raw, caller, await request.body())
             events = self.gateway.run(call, streamed=streams)
@@ -166,6 +165,8 @@ class Serving:
         return functools.partial(self.reparser.parse, session, field=field)
 
     async def _fetch_images(self, raw: dict[str, Any], limits: ImageLimits) -> None:
+        if not session and (harness := harness_session(request.headers, None)) is not None:
+            session = harness[0]
         """Fetching holds an admission slot, as generating does: past `--max-active` a request is
         refused (429) before it fetches, so fetches cannot pile up behind the engine."""
         if not remote_image_urls(raw):
@@ -177,27 +178,16 @@ class Serving:
         finally:
             admission.give()
 
-    def caller(self, request: Request, body_session: str | None, body: bytes) -> Caller:
-        """Who the request is. Every session name it carries is checked. The base URL's session
-        wins; a header or body name that differs from it is kept as the client's trace id. Without
-        a base-URL session, a header and a body field that disagree are an error."""
+    def caller(self, request: Request, raw: dict[str, Any], body: bytes) -> Caller:
+        """Who the request is: the session it names (`session_names`: one precedence, one conflict
+        rule, every name it carries checked), its retry identity and its trace id."""
         retry = _is_retry(request)
-        in_path = _checked(request.path_params.get("session_id"))
-        others = [name for name in (_checked(request.headers.get(SESSION_HEADER)), _checked(body_session)) if name]
-        trace_id = None
-        if in_path is not None:
-            session_id: str | None = in_path
-            trace_id = next((name for name in others if name != in_path), None)
-        elif len(set(others)) > 1:
-            raise InvalidRequest(
-                "the X-Session-ID header and the session_id field name different sessions", param="session_id"
-            )
-        else:
-            session_id = others[0] if others else None
+        named = named_session(request.path_params.get("session_id"), request.headers, raw)
+        session_id = named.session_id
         key = request_key(request.scope["path"], body, named=session_id is not None)
         if session_id is None and retry:  # a retry of an unnamed call goes to the session its first attempt opened
             session_id = self.gateway.sessions.unnamed_session(key)
-        return Caller(session_id, key, retry, trace_id)
+        return Caller(session_id, key, retry, named.trace_id, named.harness)
 
 
 def request_key(path: str, body: bytes, *, named: bool) -> bytes:
@@ -213,11 +203,6 @@ def request_key(path: str, body: bytes, *, named: bool) -> bytes:
     )
     digest.update(body)
     return digest.digest()[:16]
-
-
-def _checked(name: str | None) -> str | None:
-    """A session name as sent (an empty one counts as none), or InvalidRequest."""
-    return check_session_id(name) if name else None
 
 
 OFF_LOOP_BODY = 256 * 1024  # a body this large is made a call on a worker thread
