@@ -99,8 +99,13 @@ package: setup  ## sdist and wheel into dist/ (with the llama.cpp wheel); the wh
 # fixtures stay on one worker); each worker's embedded engine runs one thread. The 20 slowest close it.
 TEST_WORKERS ?= $(shell nproc)
 
+# Codex, the quickest harness to start (a native binary, about 2 s a run), runs its episode through a live
+# gateway in every `make unit` (installed once from npm into HARNESSES_CACHE); `make e2e-harnesses` runs all four.
 unit: setup browser  ## the tests but the Ray cluster's (in a new order each run, under a new sampling salt)
-	$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --durations=20
+	@TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) $(PY) tests/e2e/harnesses/install.py codex >/dev/null 2>&1 || \
+		echo "unit: Codex could not be installed from npm here; its harness test skips (make e2e-harnesses says why)"
+	TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) TOKENTAPE_HARNESSES_ONLY=codex \
+		$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 # Ray looks up its node address by "connecting" toward a public address even when pinned to
 # loopback: as root its tests run in a network namespace that has only `lo`; elsewhere they skip.

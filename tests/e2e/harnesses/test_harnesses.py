@@ -48,6 +48,8 @@ from tokentape.render.renderer import Renderer
 from tokentape.runtime import assemble_gateway, hf_renderer
 from tokentape.server.app import create_app
 
+ONLY_ENV = "TOKENTAPE_HARNESSES_ONLY"  # e.g. "codex": the others skip (make unit runs Codex's, the quickest)
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not os.environ.get(ROOT_ENV), reason=f"opt-in: make e2e-harnesses (sets {ROOT_ENV})"),
@@ -352,6 +354,9 @@ def _report(result: subprocess.CompletedProcess[str] | None, served: Served, not
 def _run(case: Case, served: Served, tmp_path: Path, how: str) -> tuple[Run, Path, subprocess.CompletedProcess[str]]:
     """Run the harness (`how`: "alone", configured for the gateway, or "under run", through
     `tokentape run`) in a scratch directory; its Run, that directory, and what it did."""
+    only = os.environ.get(ONLY_ENV)
+    if only and case.harness.name not in only.split(","):
+        pytest.skip(f"{case.harness.name}: only {only} run here ({ONLY_ENV}; all four: make e2e-harnesses)")
     if not case.harness.installed:
         pytest.skip(f"{case.harness.name} {case.harness.version} is not installed (make e2e-harnesses)")
     home, work = tmp_path / "home", tmp_path / "work"
