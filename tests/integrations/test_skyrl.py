@@ -362,6 +362,38 @@ async def test_a_weight_sync_between_turns_and_inside_a_call_labels_each_token(
     assert out["rewards"] == [0.0]  # the agent gave no reward: SkyRL takes rewards from the generator only
 
 
+async def test_resumes_and_straddled_calls_are_counted_per_step(
+    engine: LlamaCppEngine, tokenizer: GGUFTokenizer, skyrl_tokenizer: Any
+) -> None:
+    """Three steps, each with one call aborted mid-way by a weight sync and resumed: every step's
+    metrics count that step's one resume and one straddled call (1, 1, 1), not every call since the
+    start (1, 2, 3); the engine's description keeps the totals."""
+    partial = tokenizer.encode("The answer")
+
+    def script(client: RecordingClient, session_id: str, prompt_ids: list[int]) -> Any:
+        if sum(c.session_id == session_id for c in client.calls) == 1:  # the episode's second turn
+            client.weight_version = (client.weight_version or 0) + 1  # the sync lands while the call is out
+            return partial, [-0.25] * len(partial), "abort"
+        return None
+
+    cfg = _config(n_samples_per_prompt=1)
+    client = RecordingClient(engine, weight_version=3, script=script)
+    generator = _generator(cfg, client, skyrl_tokenizer, "skyrl_agents:syncing_agent")
+    await generator.gateway()
+    assert generator.engine is not None
+    generator.engine.resume_delay = 0.0
+    per_step = []
+    for step in (1, 2, 3):
+        batch, _ = _input(cfg, QUESTIONS[:1], step=step)
+        batch["env_extras"][0]["between_turns"] = lambda: None
+        metrics = (await generator.generate(batch))["rollout_metrics"]
+        per_step.append((metrics["tokentape/resumed_calls"], metrics["tokentape/straddled_calls"]))
+    assert len(client.calls) == 9  # three per step: the first turn, the aborted call, its resumption
+    assert per_step == [(1.0, 1.0)] * 3
+    described = generator.engine.describe()
+    assert (described["resumed"], described["straddled_calls"]) == (3, 3)
+
+
 async def test_failures_end_their_rollouts_with_a_status_untrained_in_their_group(
     engine: LlamaCppEngine, skyrl_tokenizer: Any
 ) -> None:

@@ -290,6 +290,36 @@ async def test_a_weight_sync_between_turns_and_inside_one_shows_in_each_tokens_v
     assert "rm_scores" not in out.batch  # the agent gave no reward: verl's reward manager scores it
 
 
+async def test_preemptions_are_reported_per_sample_each_step(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    engine: LlamaCppEngine,
+    tokenizer: GGUFTokenizer,
+    verl_tokenizer: Any,
+) -> None:
+    """Three steps, each with one call aborted by a weight sync and resumed: every step's metrics give
+    its sample `num_preempted` 1 (the episode's own), not every resume since the start (1, 2, 3) and
+    not verl's "not available" (-1)."""
+    partial = tokenizer.encode("The answer")
+
+    def script(servers: EmbeddedServers, request_id: str, prompt_ids: list[int]) -> Any:
+        if sum(c.request_id == request_id for c in servers.calls) == 1:  # the episode's second call
+            servers.global_steps += 1
+            return partial, [-0.25] * len(partial), "aborted"
+        return None
+
+    config = _config()
+    servers = EmbeddedServers(engine, script=script)
+    worker = _worker(config, servers, verl_tokenizer)
+    batch = _batch(tmp_path, verl_tokenizer, config, QUESTIONS[:1])
+    per_step = []
+    for _ in range(3):
+        out = await _generate(monkeypatch, worker, batch, "two_turn_agent")
+        per_step.append([metrics["num_preempted"] for metrics in out.meta_info["metrics"]])
+    assert len(servers.calls) == 9  # three per step: the first turn, the aborted call, its resumption
+    assert per_step == [[1]] * 3
+
+
 async def test_an_episode_past_response_length_ends_context_full_and_is_cut_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: LlamaCppEngine, verl_tokenizer: Any
 ) -> None:

@@ -62,6 +62,7 @@ class _Episode:
     sampling: dict[str, Any]
     first_prompt: int | None = None  # the length of the episode's first prompt
     seconds: float = 0.0  # spent inside server_manager.generate
+    preempted: int = 0  # its calls' aborted answers resumed, and preemptions its servers reported
 
 
 @dataclass(slots=True)
@@ -144,6 +145,13 @@ class VerlEngine:
         episode = self._episodes.pop(session_id, None)
         return 0.0 if episode is None else episode.seconds
 
+    def episode_preempted(self, session_id: str) -> int:
+        """The session's own preemptions so far (while it is open): its aborted answers resumed, plus
+        those its servers resumed themselves (`TokenOutput.num_preempted`). verl's `num_preempted`
+        is per sample; `resumed` counts every call since the start."""
+        episode = self._episodes.get(session_id)
+        return 0 if episode is None else episode.preempted
+
     def room(self, session_id: str | None, prompt_length: int) -> int:
         """Tokens a call may still sample: within `response_length` past the episode's first prompt
         (capped at `prompt_length`, as verl caps a prompt), and at most `response_length` per call."""
@@ -199,6 +207,8 @@ class VerlEngine:
             if tokens and (logprobs is None or len(logprobs) != len(tokens)):
                 raise EngineProtocolError("verl's server returned no logprob for every sampled token")
             version = _version(output.extra_fields or {})
+            if episode is not None:
+                episode.preempted += int(getattr(output, "num_preempted", None) or 0)
             if _straddles(output.extra_fields or {}):
                 self.straddled_calls += 1
             self.tokens_generated += len(tokens)
@@ -209,6 +219,8 @@ class VerlEngine:
             if output.stop_reason not in ABORTED or ended or len(sampled) >= wanted:
                 return
             self.resumed += 1  # verl paused its servers for a weight sync: go on where it stopped
+            if episode is not None:
+                episode.preempted += 1
             await asyncio.sleep(self.resume_delay)
         raise EngineFailure(f"verl's server aborted the request {MAX_RESUMES} times in a row")
 

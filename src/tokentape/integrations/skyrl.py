@@ -176,6 +176,8 @@ class _Trajectory:
     seconds: float
     error: str | None
     vision: list[tuple[Any, Any] | None]  # per row: (pixel_values, image_grid_thw), None where no image
+    resumed: int = 0  # its calls' aborted answers resumed
+    straddled: int = 0  # its calls that straddled a weight sync
 
 
 def _config(cfg: Any, name: str, default: Any) -> Any:
@@ -312,6 +314,7 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
                 error_reward=self.error_reward,
             )
         finally:
+            resumed, straddled = self.engine.episode_calls(session_id)
             self.engine.close_episode(session_id)
             finish = getattr(self.client, "finish_session", None)
             if finish is not None:  # SkyRL's router frees the session's replica (its generator does this too)
@@ -324,7 +327,7 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
         reward = 0.0 if episode.reward is None else episode.reward
         vision = [await self._vision(gateway, row.images) if row.images else None for row in rows]
         seconds = time.monotonic() - started
-        return _Trajectory(rows, reward, episode.status, session_id, seconds, episode.error, vision)
+        return _Trajectory(rows, reward, episode.status, session_id, seconds, episode.error, vision, resumed, straddled)
 
     async def _vision(self, gateway: InProcessGateway, urls: Sequence[str]) -> tuple[Any, Any]:
         """A row's `pixel_values` ([patches, dim]) and `image_grid_thw` ([images, 3]) as SkyRL's VLM
@@ -405,9 +408,9 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
         versions = [v for _, _, r, _ in rows for v in r.versions if v >= 0]
         if versions:
             metrics["tokentape/min_version"], metrics["tokentape/max_version"] = min(versions), max(versions)
-        if self.engine is not None:
-            metrics["tokentape/straddled_calls"] = float(self.engine.straddled_calls)
-            metrics["tokentape/resumed_calls"] = float(self.engine.resumed)
+        if self.engine is not None:  # this batch's own calls, not every call since the start
+            metrics["tokentape/straddled_calls"] = float(sum(t.straddled for t in trajectories))
+            metrics["tokentape/resumed_calls"] = float(sum(t.resumed for t in trajectories))
         return metrics
 
 

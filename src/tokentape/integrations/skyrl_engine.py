@@ -63,6 +63,8 @@ class _Episode:
     sampling: dict[str, Any]
     version: int | None  # the batch's global_step: the version where the client keeps none
     seconds: float = 0.0  # spent inside the client's generate
+    resumed: int = 0  # its calls' aborted answers resumed
+    straddled: int = 0  # its calls whose tokens came from more than one weights version
 
 
 def skyrl_request(
@@ -128,6 +130,12 @@ class SkyRLEngine:
         episode = self._episodes.pop(session_id, None)
         return 0.0 if episode is None else episode.seconds
 
+    def episode_calls(self, session_id: str) -> tuple[int, int]:
+        """The session's own calls so far (while it is open): aborted answers resumed, and calls that
+        straddled a weight sync. `resumed` and `straddled_calls` count every call since the start."""
+        episode = self._episodes.get(session_id)
+        return (0, 0) if episode is None else (episode.resumed, episode.straddled)
+
     def _version(self, episode: _Episode | None) -> int | None:
         value = getattr(self.client, "weight_version", None)
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -175,6 +183,8 @@ class SkyRLEngine:
                 raise EngineProtocolError("SkyRL's inference client returned no logprob for every sampled token")
             if before != after:
                 self.straddled_calls += 1
+                if episode is not None:
+                    episode.straddled += 1
             version = after if before is None else before if after is None else min(before, after)
             self.tokens_generated += len(tokens)
             for token, logprob in zip(tokens, logprobs or (), strict=True):
@@ -185,6 +195,8 @@ class SkyRLEngine:
             if reason not in ABORTED or ended or len(sampled) >= wanted:
                 return
             self.resumed += 1  # SkyRL paused its servers in abort mode: go on where it stopped
+            if episode is not None:
+                episode.resumed += 1
             await asyncio.sleep(self.resume_delay)
         raise EngineFailure(f"SkyRL's inference client aborted the request {MAX_RESUMES} times in a row")
 

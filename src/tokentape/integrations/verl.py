@@ -257,9 +257,12 @@ class TokentapeAgentLoop(AgentLoopBase):
                 error_reward=self.error_reward,
             )
         finally:
+            preempted = engine.episode_preempted(session_id)
             spent = engine.close_episode(session_id)
         status, error, reward, export = episode.status, episode.error, episode.reward, episode.export
-        metrics = AgentLoopMetrics(generate_sequences=spent, tool_calls=time.perf_counter() - started - spent)
+        metrics = AgentLoopMetrics(  # this episode's own, as verl's loops report theirs per sample
+            generate_sequences=spent, tool_calls=time.perf_counter() - started - spent, num_preempted=preempted
+        )
         logprobs = bool(sampling_params.get("logprobs"))
         branches = sorted(export.get("branches", ()), key=lambda b: max(b["turn_ids"]))
         if not self.all_branches and branches:
