@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +11,16 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import MODEL_NAME
+from tests.reliability.test_export_late_fields import _plain
 from tests.support.fake_engines import serving
 from tokentape.cli import app as cli
 from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store import export as store_export
 from tokentape.store.datasets import read_dataset
 from tokentape.store.sqlite import SqliteStore
 
@@ -39,6 +43,40 @@ def test_export_writes_the_gateways_rows(
     assert f"{out}: 3 verifiers rows" in result.output
     assert read_dataset(out) == expected and len(expected) == 3
     assert not out.with_name(out.name + ".partial").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_an_export_that_fails_after_its_first_byte_leaves_no_dataset(
+    suffix: str, tmp_path: Path, renderer: Renderer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway ends the body with its error: the command says so, fails, and keeps no file."""
+    path = tmp_path / "store.sqlite3"
+    store = SqliteStore(path)
+
+    async def write() -> None:
+        for index in range(70):  # two pages of sessions
+            tree = _plain(index)
+            for node in tree.nodes:
+                assert await store.save_turn(tree, node)
+
+    asyncio.run(write())
+    store.close()
+    real_rows, calls = store_export.format_rows, [0]
+
+    def failing_rows(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("a row the export cannot write")
+        return real_rows(*args, **kwargs)
+
+    monkeypatch.setattr(store_export, "format_rows", failing_rows)
+    registry = SessionRegistry(store=SqliteStore(path))
+    engine = ScriptedEngine([5], end_of_turn=2)
+    with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
+        out = tmp_path / f"batch{suffix}"
+        result = CliRunner().invoke(cli, ["export", str(out), "--url", url])
+    assert result.exit_code == 1 and "a row the export cannot write" in result.output, result.output
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
 def test_export_refuses_an_unknown_file_kind(tmp_path: Path) -> None:

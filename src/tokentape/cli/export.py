@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -73,6 +74,11 @@ def export(
         with partial.open("wb") as sink:
             for chunk in response.iter_bytes():
                 sink.write(chunk)
+    failure = trailer_error(partial)
+    if failure is not None:  # the gateway failed after the first byte and said so at the end
+        partial.unlink()
+        typer.echo(f"export failed: {failure}", err=True)
+        raise typer.Exit(code=1)
     partial.replace(out)
     if out.suffix == ".jsonl":
         with out.open("rb") as lines:
@@ -82,3 +88,25 @@ def export(
 
         count = pq.read_metadata(out).num_rows
     typer.echo(f"{out}: {count} {fmt} rows")
+
+
+def trailer_error(path: Path) -> str | None:
+    """The error an export body ends with (`store.export.encode_dataset`: a last line `{"error": ...}`
+    after rows or Parquet bytes), or None for a whole dataset file."""
+    with path.open("rb") as file:
+        file.seek(0, 2)
+        size = file.tell()
+        file.seek(max(0, size - 65536))
+        tail = file.read()
+    if path.suffix == ".parquet" and tail.endswith(b"PAR1"):
+        return None
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        ended = json.loads(last)
+    except ValueError:
+        ended = None
+    if isinstance(ended, dict) and set(ended) == {"error"} and isinstance(ended["error"], dict):
+        return str(ended["error"].get("message"))
+    if path.suffix == ".parquet" and size:
+        return "the gateway's Parquet file ends without its footer"
+    return None
