@@ -33,7 +33,6 @@ __all__ = ["OwnerRouting", "Peers", "session_of", "merge_atropos_rows"]
 _SESSION_PATH = re.compile(r"^/sessions/([^/]+)(/.*)?$")
 # Routes whose JSON body may name the session (`session_id`, as OpenRLHF agents send it): every dialect's.
 _BODY_NAMED = PATHS
-_LIST_FIELDS = ("session_ids", "branch_ids", "tokens", "masks", "inference_logprobs", "scores", "policy_versions")
 
 
 class Peers(Protocol):
@@ -84,15 +83,18 @@ def _valid(session_id: str | None) -> bool:
 
 def merge_atropos_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Atropos rows are one per group; a group whose sessions sit in several shards arrives as
-    several rows and leaves as one."""
+    several rows and leaves as one. Every per-member field (a list as long as `session_ids`) is
+    joined in the same order, so members stay aligned across all of them."""
     merged: dict[Any, dict[str, Any]] = {}
     for row in rows:
+        members = len(row.get("session_ids", ()))
+        per_member = [k for k, v in row.items() if isinstance(v, list) and len(v) == members]
         into = merged.get(row["group_id"])
         if into is None:
-            merged[row["group_id"]] = {**row, **{name: list(row.get(name, [])) for name in _LIST_FIELDS}}
+            merged[row["group_id"]] = {**row, **{name: list(row[name]) for name in per_member}}
         else:
-            for name in _LIST_FIELDS:
-                into[name].extend(row.get(name, []))
+            for name in per_member:
+                into[name].extend(row[name])
     return list(merged.values())
 
 
