@@ -83,10 +83,9 @@ def serve_engine(port: int, tensor_bytes: int) -> None:
 
 
 def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    """A sample's value; of a metric with labels (`tokentape_memory_held_bytes{kind=...}`), their sum."""
+    found = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+    return sum(found)
 
 
 async def soak(sessions: int, turns: int, concurrency: int, budget_mib: int | None, tensor_mb: float) -> dict[str, Any]:

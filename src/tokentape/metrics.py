@@ -7,7 +7,7 @@ when scraped. Each gateway has its own registry, so several in one process never
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -19,6 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
@@ -79,11 +80,8 @@ class GatewayMetrics:
         self._store = Histogram(
             "tokentape_store_write_seconds", "Writing one turn to the store", buckets=STORE_BUCKETS, registry=r
         )
-        self._held = Gauge(
-            "tokentape_memory_held_bytes",
-            "Bytes held against --max-memory-bytes: sessions in memory, retry records, image bytes",
-            registry=r,
-        )
+        self._held = _HeldByKind()
+        r.register(self._held)
         self._budget = Gauge("tokentape_memory_budget_bytes", "--max-memory-bytes", registry=r)
         self._image_cache = Gauge(
             "tokentape_image_cache_bytes", "Image bytes read back from the store or waiting for their write", registry=r
@@ -113,14 +111,16 @@ class GatewayMetrics:
         active_requests: Callable[[], int],
         engine: Callable[[], Mapping[str, Any]] = dict,
         memory: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+        held: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         """`engine`: the engine's own account of itself (`describe()`), for its worker's counters and
-        image resends (summed over a pool's engines). `memory`: bytes held, the budget, image bytes."""
+        image resends (summed over a pool's engines). `memory`: bytes held, the budget, image bytes.
+        `held`: the bytes held against the budget by kind (`core.held.HeldBytes.by_kind`)."""
         self._sessions_live.set_function(lambda: float(live_sessions()))
         self._queue.set_function(lambda: float(active_requests()))
         self._worker_faults.set_function(lambda: float(engine().get("worker_faults", 0)))
         self._worker_restarts.set_function(lambda: float(engine().get("worker_restarts", 0)))
-        self._held.set_function(lambda: float(memory()[0]))
+        self._held.read = held
         self._budget.set_function(lambda: float(memory()[1]))
         self._image_cache.set_function(lambda: float(memory()[2]))
         self._image_resends.set_function(lambda: float(_image_resends(engine())))
@@ -161,6 +161,31 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text format Prometheus scrapes."""
         return generate_latest(self.registry)
+
+
+class _HeldByKind:
+    """`tokentape_memory_held_bytes{kind}`: what the gateway holds against --max-memory-bytes, one
+    sample per kind (their sum is what the budget is checked against), read when scraped."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Mapping[str, int]] = dict
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "tokentape_memory_held_bytes",
+            "Bytes held against --max-memory-bytes, by kind (tapes, template_inputs, images, retry_records, "
+            "parses, responses); their sum is what the budget is checked against",
+            labels=["kind"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for kind, held in self.read().items():
+            family.add_metric([kind], float(held))
+        yield family
 
 
 def _image_resends(described: Mapping[str, Any]) -> int:

@@ -124,7 +124,12 @@ async def test_metrics_count_what_the_exports_hold(http: httpx.AsyncClient, gate
     # memory (scraped again: reading the exports loaded sessions): what the gateway holds against its
     # budget, and the process's resident set as the kernel counts it
     samples = _samples((await http.get("/metrics")).text)
-    assert value("tokentape_memory_held_bytes") == gateway.sessions.held_bytes > 0
+    # one sample a kind, as the gateway's one account counts it; their sum is what the budget is held to
+    kinds = gateway.sessions.held.by_kind()
+    assert {"tapes", "template_inputs", "images", "retry_records", "parses", "responses"} <= set(kinds)
+    for kind, held in kinds.items():
+        assert value("tokentape_memory_held_bytes", kind=kind) == held
+    assert sum(kinds.values()) == gateway.sessions.held_bytes > 0 and kinds["tapes"] > 0
     assert value("tokentape_memory_budget_bytes") == gateway.sessions.limits.max_bytes
     assert value("tokentape_image_cache_bytes") == gateway.sessions.images.held_bytes
     assert value("tokentape_engine_image_resends") == 0

@@ -5,6 +5,7 @@ where an agent appended to its history written compactly."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -275,16 +276,16 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str | None, str, int]]
     """Every body the routes parse, from bodies of any size: (its key, its history field, bodies
     reused so far); each parse checked against orjson's whole parse."""
     seen: list[tuple[str | None, str, int]] = []
-    parse = Reparser.parse
+    read = Reparser.read
 
-    def checked(self: Reparser, key: str | None, body: bytes, field: str) -> Any:
+    def checked(self: Reparser, key: str | None, body: bytes, field: str) -> tuple[Any, Callable[[], None]]:
         self.min_bytes = 0
-        got = parse(self, key, body, field)
+        got, keep = read(self, key, body, field)
         assert orjson.dumps(got) == orjson.dumps(orjson.loads(body))
         seen.append((key, field, self.reused))
-        return got
+        return got, keep
 
-    monkeypatch.setattr(Reparser, "parse", checked)
+    monkeypatch.setattr(Reparser, "read", checked)
     return seen
 
 

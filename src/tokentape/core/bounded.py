@@ -57,6 +57,18 @@ class BoundedCache(Generic[K, V]):
             self.max_bytes = max_bytes
             self._shrink()
 
+    def shed(self, wanted: int) -> int:
+        """Drop the least recently used values until `wanted` bytes are freed or none is left; the
+        bytes freed."""
+        freed = 0
+        with self._lock:
+            while self._items and freed < wanted:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.held_bytes -= dropped
+                self.dropped += 1
+                freed += dropped
+        return freed
+
     def put(self, key: K, value: V) -> None:
         size = self._size_of(value)
         with self._lock:

@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from tokentape.core.digests import ChainCache
+from tokentape.core.held import parsed_bytes
 from tokentape.core.images import ImageFacts, ImageRun
 from tokentape.core.messages import Message, chain_step, same_inputs
 from tokentape.core.outcome import Outcome
@@ -101,6 +104,7 @@ class SessionTree:
         self.images: dict[str, ImageFacts] = {}
         self.digests = ChainCache()  # chain hashes of recent requests' messages, reused by the next ones
         self.prompt_text = PathTextSlot()  # the JSON of its latest prompt, which the next one starts with
+        self.template_bytes = 0  # what its turns' template inputs hold (`template_inputs_bytes`), each copy once
 
     # -- reading -----------------------------------------------------------------------------------
     @property
@@ -125,8 +129,14 @@ class SessionTree:
     def held_bytes(self) -> int:
         """About what the session holds in memory: its tokens as measured (`benchmarks/memory.py`:
         13.9 bytes per recorded token, ids, logprobs, messages and indexes together) and its images'
-        facts, and the JSON text of its latest prompt where an engine was sent one (`PathTextSlot`);
-        no image bytes, which the store holds and `store.images.ImageLibrary` reads back."""
+        facts, the JSON text of its latest prompt where an engine was sent one (`PathTextSlot`), and
+        its turns' template inputs (`template_bytes`); no image bytes, which the store holds and
+        `store.images.ImageLibrary` reads back."""
+        return self.tape_bytes + self.template_bytes
+
+    @property
+    def tape_bytes(self) -> int:
+        """`held_bytes` less the template inputs."""
         return BYTES_PER_TOKEN * self.token_count + BYTES_PER_IMAGE * len(self.images) + self.prompt_text.held_bytes
 
     def summary(self) -> dict[str, object]:
@@ -229,6 +239,9 @@ class SessionTree:
         if node.id != len(self.nodes):
             raise ValueError(f"turn {node.id} restored out of order (expected {len(self.nodes)})")
         self.nodes.append(node)
+        inputs = node.template_inputs
+        if inputs is not None and (node.parent is None or inputs is not node.parent.template_inputs):
+            self.template_bytes += template_inputs_bytes(inputs)
         self._by_chain.setdefault(node.chain, node)
         self._by_prompt_chain.setdefault(node.prompt_chain, node)
         if node.shape_chain is not None:
@@ -276,6 +289,16 @@ class SessionTree:
             if node.keep < shared:
                 parent = node
         return parent, shared if parent is not None else 0
+
+
+def template_inputs_bytes(inputs: Mapping[str, Any]) -> int:
+    """A bound on what one turn's template inputs hold (tools, `chat_template_kwargs`): they were
+    parsed from the request's JSON, and `held.parsed_bytes` bounds what such a parse holds. A turn
+    whose inputs are its parent's holds no copy of its own (`SessionTree.attach`)."""
+    try:
+        return parsed_bytes(orjson.dumps(inputs))
+    except TypeError:  # not JSON orjson writes (never from a request): counted by its text
+        return 4 * len(repr(inputs))
 
 
 def settle_rewrite(rewrite: Rewrite) -> Literal["keep", "fork"]:

@@ -104,6 +104,7 @@ class Gateway:
             active_requests=lambda: self.admission.active,
             engine=self.engine.describe,
             memory=lambda: (sessions.held_bytes, sessions.limits.max_bytes, sessions.images.held_bytes),
+            held=sessions.held.by_kind,
         )
 
     # -- life ----------------------------------------------------------------------------------------
@@ -402,9 +403,9 @@ class Gateway:
         session, created = await self.sessions.open(session_id, call.rewrite_policy)
         if session_id is None and call.request_key is not None:
             self.sessions.remember_unnamed(call.request_key, session.id)
-        return Ticket(
         if isinstance(call, ChatCall) and session_id is not None:
             session, created = await self._episode_or_side(session, created, call)
+        return Ticket(
             self.sessions,
             self.admission,
             session,
@@ -414,7 +415,6 @@ class Gateway:
             on_written=self.metrics.store_write,
         )
 
-    def _track_write(self, write: asyncio.Future[None]) -> None:
     async def _episode_or_side(self, session: Session, created: bool, call: ChatCall) -> tuple[Session, bool]:
         """In a harness's session (named by its own id, or opened with metadata `harness`), a side
         call goes to a session of its own in the episode's group, marked `side_of` (`core.episodes`)."""
@@ -434,6 +434,7 @@ class Gateway:
             outcome.metadata = {**outcome.metadata, "side_of": session.id, "harness": harness}
         return side, side_created
 
+    def _track_write(self, write: asyncio.Future[None]) -> None:
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
 

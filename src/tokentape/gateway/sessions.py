@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from tokentape.core.held import HeldBytes
 from tokentape.core.messages import Message, chain_of
 from tokentape.core.session import SessionTree
 from tokentape.core.staleness import session_bound
@@ -135,12 +136,12 @@ class PrefixMatch:
 @dataclass(frozen=True, slots=True)
 class MemoryLimits:
     """Sessions are always in the store; these bound how many stay in memory as well, and how many
-    bytes the gateway may hold there: the sessions' trees (tokens, logprobs, image facts,
-    `SessionTree.held_bytes`) and retry records, the image bytes read back from the store
-    (`store.images.ImageLibrary`, its cache at most `image_cache_bytes`) and the unnamed requests'
-    retry records. Past the bytes, the least recently used sessions not running leave memory; if
-    the running ones alone are past it, new requests wait (429 with Retry-After) instead of the
-    process being killed."""
+    bytes the gateway may hold there: everything `SessionRegistry.held` counts, by kind (the
+    sessions' trees, their turns' template inputs, retry records, image bytes, and what the server
+    keeps beside them: parses kept to reuse, Responses conversations). Past the bytes, caches give
+    up what they hold, then the least recently used sessions not running leave memory; if the
+    running ones alone are past it, new requests wait (429 with Retry-After) instead of the process
+    being killed."""
 
     max_sessions: int = 10_000
     # 4 GiB: on a 24 GiB machine it leaves the engine, the interpreter and the page cache ample room,
@@ -175,7 +176,9 @@ class SessionRegistry:
         self._limits = limits
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._sizes: dict[str, int] = {}  # bytes each session in memory holds, as last counted
+        self._template_sizes: dict[str, int] = {}  # of which its turns' template inputs
         self.session_bytes = 0
+        self.template_bytes = 0  # the template inputs of the sessions in memory (in `session_bytes`)
         self.evicted = 0
         self.retries_waiting = 0  # SDK retries waiting for the request they repeat to finish
         self._timer: asyncio.TimerHandle | None = None
@@ -183,6 +186,13 @@ class SessionRegistry:
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         # request key -> the one-call session an unnamed request opened, so its SDK retry finds it
         self._unnamed: OrderedDict[bytes, str] = OrderedDict()
+        # the one account of what the gateway holds, by kind: the budget is checked against its total,
+        # /metrics shows it per kind, and past the budget its caches give up bytes before sessions leave
+        self.held = HeldBytes(limits.max_bytes)
+        self.held.add("tapes", lambda: self.session_bytes - self.template_bytes)
+        self.held.add("template_inputs", lambda: self.template_bytes)
+        self.held.add("images", lambda: self.images.held_bytes)
+        self.held.add("retry_records", lambda: UNNAMED_RECORD_BYTES * len(self._unnamed))
 
     @property
     def limits(self) -> MemoryLimits:
@@ -191,14 +201,15 @@ class SessionRegistry:
     @limits.setter
     def limits(self, limits: MemoryLimits) -> None:
         self._limits = limits
+        self.held.budget = limits.max_bytes
         self.images.cache.resize(limits.image_cache_bytes)
         self._trim()
 
     @property
     def held_bytes(self) -> int:
-        """What the gateway holds against the budget: the sessions in memory (trees and retry
-        records), the image bytes read back or waiting for their write, the unnamed retry records."""
-        return self.session_bytes + self.images.held_bytes + UNNAMED_RECORD_BYTES * len(self._unnamed)
+        """What the gateway holds against the budget: every kind `held` counts (the sessions in
+        memory, their template inputs, image bytes, retry records, and what other holders added)."""
+        return self.held.total()
 
     def remember_unnamed(self, request_key: bytes, session_id: str) -> None:
         """Which one-call session an unnamed request opened, for its SDK retry: the latest
@@ -231,6 +242,10 @@ class SessionRegistry:
             return PrefixMatch("matched", found[0].id, 1)
         return PrefixMatch("ambiguous" if found else "unmatched", None, len(found))
 
+    def side_sessions(self, session_id: str) -> list[Session]:
+        """The side-call sessions of a harness episode held in memory (`core.episodes`)."""
+        return [s for s in self._sessions.values() if s.tree.outcome.metadata.get("side_of") == session_id]
+
     def in_memory(self, session_id: str) -> Session | None:
         """The session if it is in memory now; never reads the store."""
         return self._sessions.get(session_id)
@@ -242,10 +257,6 @@ class SessionRegistry:
     def _touch(self, session: Session) -> None:
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session.id)
-    def side_sessions(self, session_id: str) -> list[Session]:
-        """The side-call sessions of a harness episode held in memory (`core.episodes`)."""
-        return [s for s in self._sessions.values() if s.tree.outcome.metadata.get("side_of") == session_id]
-
 
     def _keep(self, session: Session) -> Session:
         """Hold a session in memory, unless another task put it there first while we awaited."""
@@ -369,21 +380,29 @@ class SessionRegistry:
         size = session.held_bytes
         self.session_bytes += size - self._sizes.get(session.id, 0)
         self._sizes[session.id] = size
+        inputs = session.tree.template_bytes
+        self.template_bytes += inputs - self._template_sizes.get(session.id, 0)
+        self._template_sizes[session.id] = inputs
         self._trim()
 
     def over_budget(self) -> bool:
         """Whether the gateway holds more than the budget in memory even after trimming (the
         running ones cannot leave)."""
+        if self.held_bytes <= self.limits.max_bytes:
+            return False
+        self._trim()  # a holder outside the sessions may have grown since the last turn was counted
         return self.held_bytes > self.limits.max_bytes
 
     def _trim(self) -> None:
         """Past the count or the bytes, drop the least recently used sessions that are not running.
-        Past the bytes, the texts kept of sessions' prompts go first: a cache, which costs the next
-        call of a session only the writing of its prompt whole."""
+        Past the bytes, the caches go first: the texts kept of sessions' prompts (which costs the
+        next call of a session only the writing of its prompt whole), then those of `held`."""
         excess = len(self._sessions) - self.limits.max_sessions
         over = self.held_bytes - self.limits.max_bytes
         if over > 0:
             over -= self._drop_prompt_texts(over)
+        if over > 0:
+            over -= self.held.shed(over)
         if excess <= 0 and over <= 0:
             return
         victims: list[str] = []
@@ -435,6 +454,7 @@ class SessionRegistry:
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self.session_bytes -= self._sizes.pop(session_id, 0)
+        self.template_bytes -= self._template_sizes.pop(session_id, 0)
 
     def _arm_evictions(self) -> None:
         """Look for idle sessions every `evict_every` seconds, on the loop that serves them."""

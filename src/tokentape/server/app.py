@@ -142,6 +142,7 @@ def create_app(
         image_limits=image_limits or ImageLimits(),
         image_refusal=renderer.vision.refusal if renderer.vision is not None else None,
         prompt_token_ids=prompt_token_ids,
+        held=gateway.sessions.held,
     )
     generation = {dialect.path: (dialect, serving.route(dialect(context))) for dialect in DIALECTS}
     settings = guard or GuardSettings()

@@ -17,6 +17,13 @@ parsed whole, and is not looked at again.
 The digest (xxh3-128, seeded per process) is an accelerator, as the tape's digests are: it is only
 ever compared with the same session's last body, so a crafted collision could only mislabel that
 session's own history.
+
+What is kept is counted as what its parse holds in Python objects (`core.held.parsed_bytes`, a bound
+measured with tracemalloc: a history of agent messages holds about twice its JSON, a text of empty
+objects 24 times it), not as its JSON, against `KEPT_BYTES` and in the gateway's one account of what
+it holds ("parses": past the budget they go before any session leaves memory). A parse is kept only
+once its request was accepted (`PendingParse.keep`, after the gateway planned the turn): a refused
+body, whatever its size, leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +39,16 @@ import orjson
 import xxhash
 
 from tokentape.core.bounded import BoundedCache
+from tokentape.core.held import parsed_bytes
 
-__all__ = ["MIN_BODY_BYTES", "Reparser"]
+__all__ = ["MIN_BODY_BYTES", "PendingParse", "Reparser"]
 
 MIN_BODY_BYTES = 32 * 1024  # below this a whole parse costs about as little as the bookkeeping
-KEPT_BYTES = 64 << 20  # the histories' JSON remembered across sessions, least recently used first
+KEPT_BYTES = 64 << 20  # what the histories' parses kept across sessions hold, least recently used first
 _SEED = secrets.randbits(64)
 _SENTINEL = secrets.token_hex(12)  # the placeholder key no client can know
 _PREFIX = b'{"' + _SENTINEL.encode() + b'":[0'
-_PER_ITEM_BYTES = 700  # a parsed message beyond its text (its dicts, a tool call's): measured on agent histories
+_DECLINED_BYTES = 64  # what remembering a session as parsed whole costs
 # sessions finished or deleted lately: a body sent to one (the SDKs retry a refusal twice) keeps nothing
 CLOSED_REMEMBERED = 4096
 
@@ -51,6 +60,7 @@ class _Kept:
     digest: bytes  # xxh3-128 of the body before `end`
     head: dict[str, Any]  # the keys before the history, in order, the history's key holding 0
     items: tuple[Any, ...]  # the history's parsed elements: each body gets a list of its own
+    size: int  # what the parse of the body before `end` holds (`parsed_bytes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +81,32 @@ def _one(_: bool) -> int:
 
 
 def _size(kept: _Kept | _Declined) -> int:
-    return kept.end + _PER_ITEM_BYTES * len(kept.items) if type(kept) is _Kept else 64
+    return kept.size if type(kept) is _Kept else _DECLINED_BYTES
+
+
+def _nothing() -> None:
+    pass
+
+
+class PendingParse:
+    """One request's parser (`json_object`'s `parse`): it parses as `Reparser.read` does, and what
+    the reparser would keep of it is kept only on `keep()`, once the request was accepted."""
+
+    __slots__ = ("_field", "_keep", "_key", "_reparser")
+
+    def __init__(self, reparser: Reparser, key: str, field: str) -> None:
+        self._reparser = reparser
+        self._key = key
+        self._field = field
+        self._keep: Callable[[], None] = _nothing
+
+    def __call__(self, body: bytes) -> Any:
+        data, self._keep = self._reparser.read(self._key, body, self._field)
+        return data
+
+    def keep(self) -> None:
+        keep, self._keep = self._keep, _nothing
+        keep()
 
 
 class Reparser:
@@ -86,20 +121,48 @@ class Reparser:
         self.min_bytes = min_bytes
         self.reused = 0  # bodies parsed from a remembered prefix (what the tests watch)
 
+    @property
+    def held_bytes(self) -> int:
+        """What the kept parses hold (`parsed_bytes` of each), the gateway's "parses"."""
+        return self._kept.held_bytes
+
+    def shed(self, wanted: int) -> int:
+        """Forget the least recently used parses until `wanted` bytes are freed or none is left."""
+        return self._kept.shed(wanted)
+
+    def parser(self, key: str, field: str) -> PendingParse:
+        """A parser for one request's body that keeps nothing until its `keep()`."""
+        return PendingParse(self, key, field)
+
     def parse(self, key: str | None, body: bytes, field: str) -> Any:
+        """The body parsed, and what is kept of it kept at once (for a body already accepted)."""
+        data, keep = self.read(key, body, field)
+        keep()
+        return data
+
+    def read(self, key: str | None, body: bytes, field: str) -> tuple[Any, Callable[[], None]]:
+        """The body parsed, and what to call to keep it for the next body (nothing changes until then)."""
         if key is None or len(body) < self.min_bytes or self._closed.get(key):
-            return orjson.loads(body)
+            return orjson.loads(body), _nothing
         kept = self._kept.get(key)
         if type(kept) is _Declined and kept.field == field:
-            return orjson.loads(body)
+            return orjson.loads(body), _nothing
         if type(kept) is _Kept and kept.field == field:
-            data = self._after(key, kept, body)
-            if data is not None:
+            after = self._after(kept, body)
+            if after is not None:
                 self.reused += 1
-                return data
+                data, keep = after
+                return data, functools.partial(self._put, key, keep)
         data = orjson.loads(body)
-        self._remember(key, body, data, field)
-        return data
+        return data, functools.partial(self._put, key, _remembered(body, data, field))
+
+    def _put(self, key: str, kept: _Kept | _Declined | None) -> None:
+        if self._closed.get(key):  # closed while the request ran
+            return
+        if kept is None:
+            self._kept.discard(key)
+        else:
+            self._kept.put(key, kept)
 
     def forget(self, key: str) -> None:
         """Drop what is kept for `key`: its session is finished or deleted, and the bodies still sent
@@ -107,9 +170,9 @@ class Reparser:
         self._kept.discard(key)
         self._closed.put(key, True)
 
-    def _after(self, key: str, kept: _Kept, body: bytes) -> dict[str, Any] | None:
-        """The body parsed from `kept`, or None where it does not start with the same bytes (or is not
-        JSON: the whole parse then raises the error it raises)."""
+    def _after(self, kept: _Kept, body: bytes) -> tuple[dict[str, Any], _Kept | None] | None:
+        """The body parsed from `kept` and what to keep of it next, or None where it does not start
+        with the same bytes (or is not JSON: the whole parse then raises the error it raises)."""
         end = kept.end
         if len(body) <= end or _digest(memoryview(body)[:end]) != kept.digest:
             return None
@@ -129,18 +192,18 @@ class Reparser:
         data.update(rest)
         follows = _extended(body, end, new)
         if follows is None:
-            self._kept.discard(key)
-        else:
-            digest = _digest(memoryview(body)[:follows])
-            self._kept.put(key, _Kept(kept.field, follows, digest, kept.head, (*kept.items, *new)))
-        return data
+            return data, None
+        digest = _digest(memoryview(body)[:follows])
+        size = kept.size + parsed_bytes(body[end:follows])
+        return data, _Kept(kept.field, follows, digest, kept.head, (*kept.items, *new), size)
 
-    def _remember(self, key: str, body: bytes, data: Any, field: str) -> None:
-        items = data.get(field) if type(data) is dict else None
-        if type(items) is not list or not items:
-            self._kept.discard(key)
-            return
-        self._kept.put(key, _kept(body, items, field) or _Declined(field))
+
+def _remembered(body: bytes, data: Any, field: str) -> _Kept | _Declined | None:
+    """What to keep of a body parsed whole (None: nothing, and forget what was kept)."""
+    items = data.get(field) if type(data) is dict else None
+    if type(items) is not list or not items:
+        return None
+    return _kept(body, items, field) or _Declined(field)
 
 
 def _extended(body: bytes, end: int, new: list[Any]) -> int | None:
@@ -164,7 +227,7 @@ def _kept(body: bytes, items: list[Any], field: str) -> _Kept | None:
     if head is None:
         return None
     end = start + len(written) - 1
-    return _Kept(field, end, _digest(memoryview(body)[:end]), head, tuple(items))
+    return _Kept(field, end, _digest(memoryview(body)[:end]), head, tuple(items), parsed_bytes(body[:end]))
 
 
 @functools.cache

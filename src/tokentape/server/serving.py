@@ -12,7 +12,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import functools
 import hashlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokentape.core.held import HeldBytes
 from tokentape.core.reply import ToolFormat
 from tokentape.errors import NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
@@ -35,7 +35,7 @@ from tokentape.server.dialects.common import Caller, WireRequest
 from tokentape.server.dialects.images import ImageIntake, ImageLimits
 from tokentape.server.errors import ErrorShape, invalid_from_validation, json_response, use_error_shape
 from tokentape.server.image_urls import fetch_remote_images, remote_image_urls
-from tokentape.server.reparse import Reparser
+from tokentape.server.reparse import PendingParse, Reparser
 from tokentape.server.session_names import SESSION_HEADER, harness_session, named_session
 
 __all__ = ["Caller", "Dialect", "DialectContext", "Serving", "SESSION_HEADER", "RETRY_HEADER"]
@@ -64,6 +64,7 @@ class DialectContext:
     # `return_token_ids: true` gets them (they grow with the history: an agent that never reads them
     # then neither waits for nor parses them)
     prompt_token_ids: str = "always"
+    held: HeldBytes | None = None  # the gateway's account of what it holds, for what a dialect keeps
 
     def image_intake(self) -> ImageIntake:
         """A fresh intake for one request's images."""
@@ -111,6 +112,7 @@ class Serving:
         self._model_id = model_id
         self.tokenizer: Tokenizer = gateway.renderer.tokenizer
         self.reparser = Reparser()
+        gateway.sessions.held.add("parses", lambda: self.reparser.held_bytes, self.reparser.shed)
 
     @property
     def model(self) -> str:
@@ -128,7 +130,8 @@ class Serving:
     def route(self, dialect: Dialect[Any]) -> Handler:
         async def handle(request: Request) -> Response:
             use_error_shape(request, dialect.errors)
-            raw = await json_object(request, parse=self._parser(request, dialect))
+            parse = self._parser(request, dialect)
+            raw = await json_object(request, parse=parse)
             if dialect.context.image_limits.allow_fetch:  # the operator's choice: image URLs fetched here
                 await self._fetch_images(raw, dialect.context.image_limits)
             try:
@@ -141,6 +144,8 @@ class Serving:
             call = await _to_call(dialect, req, raw, caller, await request.body())
             events = self.gateway.run(call, streamed=streams)
             started = await _first(events)
+            if type(parse) is PendingParse:  # accepted: only now is its parse kept for the next body
+                parse.keep()
             headers = {"X-Session-ID": started.session_id}
             if started.prefix_match is not None:
                 headers[PREFIX_MATCH_HEADER] = started.prefix_match.outcome
@@ -160,13 +165,13 @@ class Serving:
         where image URLs are fetched: that rewrites the parsed messages in place."""
         field = dialect.history_field
         session = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
-        if field is None or not session or dialect.context.image_limits.allow_fetch:
-            return orjson.loads
-        return functools.partial(self.reparser.parse, session, field=field)
-
-    async def _fetch_images(self, raw: dict[str, Any], limits: ImageLimits) -> None:
         if not session and (harness := harness_session(request.headers, None)) is not None:
             session = harness[0]
+        if field is None or not session or dialect.context.image_limits.allow_fetch:
+            return orjson.loads
+        return self.reparser.parser(session, field)
+
+    async def _fetch_images(self, raw: dict[str, Any], limits: ImageLimits) -> None:
         """Fetching holds an admission slot, as generating does: past `--max-active` a request is
         refused (429) before it fetches, so fetches cannot pile up behind the engine."""
         if not remote_image_urls(raw):
