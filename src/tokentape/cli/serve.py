@@ -119,6 +119,31 @@ def serve(
         ),
     ] = 4 * 1024**3,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body (413 past it).")] = 16 * 1024 * 1024,
+    max_header_bytes: Annotated[
+        int,
+        typer.Option(min=1, help="Largest request head: request line and headers (431 past it, before the app)."),
+    ] = 64 * 1024,
+    max_headers: Annotated[int, typer.Option(min=1, help="Most headers one request may carry (431 past it).")] = 256,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds a request's headers may take to arrive, from its first byte (a new connection's: "
+            "from its opening); then 408 and the connection closes.",
+        ),
+    ] = 20.0,
+    body_timeout: Annotated[
+        float,
+        typer.Option(min=0.001, help="Seconds a request's body may stop arriving; then 408 and the connection closes."),
+    ] = 30.0,
+    send_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds a client may read nothing of a response waiting to be written; then its connection is "
+            "dropped: a stream stops, its turn is recorded as cut off, its slot is released.",
+        ),
+    ] = 30.0,
     prompt_token_ids: Annotated[
         str,
         typer.Option(
@@ -214,9 +239,9 @@ def serve(
     from tokentape.gateway.sessions import MemoryLimits
     from tokentape.runtime import RuntimeSettings, build_gateway
     from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
+    from tokentape.server.connections import ConnectionLimits, bounded_protocol
     from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
     from tokentape.server.middleware import GuardSettings
-    from tokentape.server.write_combining import WriteCombiningHttpTools
     from tokentape.train.weights import cache_dir
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -251,6 +276,7 @@ def serve(
     guard = GuardSettings(
         api_keys=keys,
         max_body_bytes=max_body_bytes,
+        max_header_bytes=max_header_bytes,
         require_session_keys=session_keys == "required",
         max_in_flight_per_key=max_in_flight_per_key,
         weights_dirs=weights_dir or default_weights_dirs(cache_dir()),
@@ -302,10 +328,13 @@ def serve(
         port=port,
         log_level=log_level.lower(),
         # libuv's event loop and llhttp's parser: less CPU per request than asyncio + h11. httptools
-        # sets no header limit of its own, so oversized headers reach the app, which answers 431.
-        # What a turn of the loop writes to a client goes out in one write (`server.write_combining`).
+        # sets no limit of its own: the protocol bounds a request's head, the time its head and body
+        # take to come and the time a client may stop reading (`server.connections`), and what a turn
+        # of the loop writes to a client goes out in one write (`server.write_combining`).
         loop="uvloop",
-        http=WriteCombiningHttpTools,
+        http=bounded_protocol(
+            ConnectionLimits(max_header_bytes, max_headers, header_timeout, body_timeout, send_timeout)
+        ),
         proxy_headers=False,  # nothing reads the client address; one ASGI layer less per request
         # below info an access line is never shown, yet uvicorn formats its fields for every request
         access_log=log_level.lower() in ("debug", "info"),
