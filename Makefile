@@ -150,6 +150,7 @@ FUZZ_BATCHES ?= 5000
 fuzz: setup  ## the adversarial suite: 4 x FUZZ_BATCHES requests against a live gateway while honest sessions talk
 	TOKENTAPE_FUZZ_EXAMPLES=$(FUZZ_BATCHES) $(PY) -m pytest tests/reliability/test_fuzz.py -p no:randomly -p no:cacheprovider --timeout=0 -q
 	@cat test-output/fuzz.json
+	$(PY) -m tests.reliability.loop_fuzz  # huge requests six at once: /health, an honest chat, the loop's lag
 
 # The coding-agent harnesses at pinned versions (tests/e2e/harnesses/install.py), installed once into
 # ~/.cache/tokentape/harnesses/<name>-<version> (npm; a virtualenv for mini-swe-agent) and reused, each

@@ -9,8 +9,8 @@ is refused or answered as its content asks; what is measured is what it costs th
 - the gateway's own event-loop ticker (`tokentape_event_loop_lag_seconds` on `/metrics`, its
   observations during the window, by bucket).
 
-`tests/reliability/test_loop_lag.py` runs each shape once; `make fuzz` runs them together, several at
-once (figures in test-output/loop-lag.json).
+`tests/reliability/test_loop_lag.py` runs each shape once; `make fuzz` runs each six at once, for
+several rounds (`tests/reliability/loop_fuzz.py`; figures in test-output/loop-lag.json).
 """
 
 from __future__ import annotations
@@ -139,6 +139,20 @@ class Window:
     @property
     def slowest_health(self) -> float:
         return max(self.health, default=float("nan"))
+
+    def problems(self, health_bound: float = HEALTH_BOUND) -> list[str]:
+        """What went wrong for the others while the huge requests were handled (empty: nothing):
+        /health slower than `health_bound` (or the loop held that long: a bucket bound of the ticker's
+        histogram), the honest chat slower than HONEST_BOUND."""
+        found = [f"/health failed: {failure}" for failure in self.health_failures[:3]]
+        if not self.slowest_health < health_bound:
+            found.append(f"/health took {self.slowest_health:.2f} s (at most {health_bound} s)")
+        if self.honest_status != 200 or not self.honest_seconds < HONEST_BOUND:
+            honest = f"{self.honest_status} after {self.honest_seconds:.2f} s"
+            found.append(f"the honest chat: {honest} (at most {HONEST_BOUND} s)")
+        if self.lag_over.get(health_bound, 0.0):
+            found.append(f"the loop was held over {health_bound} s {self.lag_over[health_bound]:.0f} time(s)")
+        return found
 
     def as_json(self) -> dict[str, Any]:
         return {

@@ -18,8 +18,6 @@ import pytest
 
 from tests.conftest import output_dir
 from tests.reliability.loop_probe import (
-    HEALTH_BOUND,
-    HONEST_BOUND,
     Window,
     honest_chat,
     huge_message,
@@ -56,11 +54,8 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def _held_well(window: Window) -> None:
-    assert not window.health_failures, window.health_failures[:3]
-    assert window.slowest_health < HEALTH_BOUND, window.as_json()
-    assert window.honest_status == 200, window.as_json()
-    assert window.honest_seconds < HONEST_BOUND, window.as_json()
-    assert window.lag_over[1.0] == 0, window.as_json()  # the ticker never woke a second late
+    # /health within HEALTH_BOUND, the honest chat within HONEST_BOUND, the ticker never a second late
+    assert not window.problems(), (window.problems(), window.as_json())
 
 
 def _embedded_honest(client: httpx.Client) -> tuple[int, float]:
