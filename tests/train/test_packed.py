@@ -4,7 +4,10 @@ for trees of each shape a session takes: n=4 siblings, a fork on a rewritten his
 history, a group of 8 sessions sharing a prompt. The trees are recorded through the gateway (a
 scripted engine answers, so their shapes do not depend on sampling); the per-branch side is the
 trainer's own per-branch path (`build_batch`, `token_logprobs`, `loss_and_metrics`), computed
-independently of the packing. In float64, so that a difference is the packing's and not rounding's."""
+independently of the packing. In float64, so that a difference is the packing's and not rounding's.
+The model is the embedded model's first BLOCKS blocks under its own final norm and head: the packing
+(mask, positions, the head on the parents) acts the same in every block, and a float64 forward of all
+30 blocks would cost this file most of its time."""
 
 from __future__ import annotations
 
@@ -27,11 +30,15 @@ from tokentape.train.packed import PackedBatch, build_packed, packed_groups, pac
 from tokentape.train.weights import f32_gguf, load_model
 
 TEMPERATURE, CLIP = 0.8, 2.0
+BLOCKS = 4  # more than the two whose gradient is compared: a leak in an earlier block reaches them
 
 
 @pytest.fixture(scope="module")
 def model() -> Iterator[Any]:
-    loaded = load_model(f32_gguf(embedded_model_path())).double()
+    loaded = load_model(f32_gguf(embedded_model_path()))
+    loaded.model.layers = loaded.model.layers[:BLOCKS]
+    loaded.config.num_hidden_layers = BLOCKS
+    loaded = loaded.double()
     for parameter in loaded.parameters():  # the gradient is compared on the last two blocks: the backward stops there
         parameter.requires_grad_(False)
     for block in loaded.model.layers[-2:]:
