@@ -51,6 +51,7 @@ def vision(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         args[1] = f"vllm-generate={url}"
         with running_server(args) as server:
             yield server
+    (output_dir() / "loop-lag-test.json").write_text(json.dumps(FIGURES, indent=2))
 
 
 def _held_well(window: Window) -> None:
