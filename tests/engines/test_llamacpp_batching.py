@@ -164,6 +164,27 @@ async def test_a_second_turn_prefills_only_its_new_tokens(
     _check(reference, second, reply)
 
 
+async def test_a_long_prompt_moves_idle_kv_to_host_memory_and_its_session_gets_it_back(
+    batching: LlamaCppEngine, reference: Reference, renderer: Renderer
+) -> None:
+    """A prompt of 256 or more new tokens is read with no idle session's KV in the cache: the idle
+    slots' KV goes to host memory, and a session's next turn puts its own back, bit for bit (it
+    prefills only its new tokens, and records what an independent context computes)."""
+    first = _prompts(renderer, ["Name a fruit."])[0]
+    turn = await _generate(batching, first, session_id="kept")
+    long = _prompts(renderer, [" ".join(f"item {i}," for i in range(70)) + " which is the largest?"])[0]
+    assert len(long) >= 256
+    engine = batching.describe()
+    await _generate(batching, long, session_id="long")
+    assert batching.describe()["kv_offloaded"] > engine["kv_offloaded"]
+    second = first + [s.token_id for s in turn] + renderer.tokenizer.encode("\nAnd one more?\n")
+    saved = batching._batcher.prefill_tokens_saved
+    reply = await _generate(batching, second, session_id="kept")
+    assert batching.describe()["kv_restored"] > engine["kv_restored"]
+    assert batching._batcher.prefill_tokens_saved - saved == len(first) + len(turn) - 1
+    _check(reference, second, reply)
+
+
 async def test_a_cancelled_generation_leaves_the_others_running(
     batching: LlamaCppEngine, reference: Reference, renderer: Renderer
 ) -> None:

@@ -61,3 +61,14 @@ def test_busy_slots_are_neither_taken_nor_evicted() -> None:
     assert running is not None
     assert table.assign([3, 4], "b", 0) is None
     assert table.evict() is None
+
+
+def test_kv_held_in_host_memory_is_no_copy_source_and_no_cells_to_evict() -> None:
+    table = SlotTable(3)
+    owner, _, _ = _run(table, [5, 6, 7, 8], "a")
+    table.slots[owner].stored = b"kv"  # out of the cache (the batcher saved and cut it)
+    slot, reused, source = _run(table, [5, 6, 7, 1], "b")
+    assert slot != owner and (reused, source) == (0, None)
+    evicted = table.evict()
+    assert evicted is not None and evicted.seq_id == slot  # b's, in the cache; a's stays a's
+    assert table.slots[owner].tokens == [5, 6, 7, 8] and table.evict() is None

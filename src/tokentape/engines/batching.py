@@ -12,6 +12,16 @@ used idle slot is emptied; if none is idle, the generation that joined last give
 waits to be recomputed (its sampled tokens, its random state and its grammar state kept), so one
 client's long turn never fails another's.
 
+Idle slots' KV leaves the cache while a long prompt is read. llama.cpp attends every row of a step
+over every cell up to the highest one in use and masks the cells of other sequences; flash attention
+skips their arithmetic but still walks their mask, per row, head and layer, so a prompt read beside
+12k cells of sessions between turns took 2-4x as long as in an empty cache. When a generation starts
+with at least `_OFFLOAD_FROM` prompt tokens to compute, every idle slot's KV is copied to host memory
+(llama.cpp's sequence state: the cells as they are, so nothing is recomputed and the logits of the
+session's next turn are bit for bit the same) and cut from the cache, as llama-server does with idle
+slots (`--cache-ram`); it is put back when its session's next turn starts. Host memory holds at most
+`stored_tokens` tokens of it (the oldest dropped first, to be recomputed if their session comes back).
+
 A generation's grammar (its output constraint) is followed off the worker, on the engine's grammar
 threads (`grammar_pool`: at most `GRAMMAR_THREADS`, 4, however many masks are asked for; more wait in
 line): llama.cpp's grammar sampler costs what the grammar makes it cost (an ambiguous pattern such as
@@ -30,6 +40,7 @@ failed, so no caller waits forever.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -67,6 +78,8 @@ DONE = object()  # the last item a generation's listener gets
 _CLOSE = object()
 # a prompt that would share at least this many more tokens with one being prefilled waits one step for it
 _WAIT_FOR_SHARED = 16
+# a generation with this many prompt tokens to compute moves idle slots' KV out of the cache first
+_OFFLOAD_FROM = 256
 # A generation whose grammar takes longer than this to mask the logits of one token fails (its request's
 # output constraint is too costly to follow); the others were never held up by it.
 GRAMMAR_SECONDS = 30.0
@@ -158,6 +171,19 @@ class Native:
         """Give `target` the first `length` positions of `source` (the cells are shared, not copied)."""
         self._lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
 
+    def save(self, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
+        """The sequence's KV cells as llama.cpp writes them (its sequence state), in host memory."""
+        lib = self._lib
+        size = int(lib.llama_state_seq_get_size_ext(self.ctx, seq_id, 0))
+        data = (ctypes.c_uint8 * size)()
+        if int(lib.llama_state_seq_get_data_ext(self.ctx, data, size, seq_id, 0)) != size:
+            raise RuntimeError(f"llama.cpp could not save sequence {seq_id}'s KV")
+        return data
+
+    def restore(self, seq_id: int, data: ctypes.Array[ctypes.c_uint8]) -> bool:
+        """Put saved KV back into the sequence (replacing what it holds); False when the cache has no room."""
+        return int(self._lib.llama_state_seq_set_data_ext(self.ctx, data, len(data), seq_id, 0)) == len(data)
+
     def set_threads(self, threads: int) -> None:
         self._lib.llama_set_n_threads(self.ctx, threads, threads)
 
@@ -225,8 +251,10 @@ class Batcher:
         threads: int = 1,
         tuner: ThreadTuner | None = None,
         grammar_threads: int = GRAMMAR_THREADS,
+        stored_tokens: int = 0,
     ) -> None:
         self.native = native
+        self.stored_tokens = stored_tokens  # idle KV kept in host memory, in tokens; 0: none leaves the cache
         self.threads = threads  # what the native context computes with now
         self.tuner = tuner  # None: `threads` stays, unless set_threads asks for others
         self.parallel = parallel
@@ -245,6 +273,8 @@ class Batcher:
         self.steps = 0
         self.batched_sequences = 0  # sequences sampled from, summed over steps: / steps = mean batch
         self.preempted = 0
+        self.offloaded = 0  # idle slots' KV moved to host memory
+        self.restored = 0  # and put back for its session's next turn
         self.faults = 0  # errors the worker caught and survived (each failed the generations it concerned)
         self.restarts = 0  # times the worker thread died and was started again
         self._threads: int | None = None
@@ -428,6 +458,7 @@ class Batcher:
                 generation.emit(exc)
                 self._finish(generation)
                 return
+        self._bring_back(generation.session)
         assignment = self.slots.assign(generation.tokens, generation.session, self.version)
         assert assignment is not None  # fewer generations run than there are slots
         slot = assignment.slot
@@ -435,6 +466,8 @@ class Batcher:
         if assignment.source is not None:
             self.native.cut(slot.seq_id, 0)
             self.native.copy(assignment.source.seq_id, slot.seq_id, assignment.copy)
+        if self.stored_tokens and len(generation.tokens) - assignment.reused >= _OFFLOAD_FROM:
+            self._offload_idle()  # after the copy: the cells copied stay, as the target's
         generation.slot = slot
         generation.fed = assignment.reused
         generation.admitted = self._steps
@@ -443,6 +476,59 @@ class Batcher:
             self.prompt_tokens += len(generation.tokens)
             self.prefill_tokens_saved += assignment.reused
         self.active.append(generation)
+
+    def _bring_back(self, session: str | None) -> None:
+        """The slot a generation of `session` is about to take holds its KV in the cache again: put
+        back when it is the session's own, else forgotten (it is cut anyway)."""
+        slot = self.slots.target(session)
+        if slot is None or slot.stored is None:
+            return
+        data, slot.stored = slot.stored, None
+        if session is not None and slot.session == session and slot.version == self.version:
+            while not self.native.restore(slot.seq_id, data):
+                evicted = self.slots.evict()  # no room: the least recently used idle KV in the cache goes
+                if evicted is None:
+                    break
+                self.native.cut(evicted.seq_id, 0)
+            else:
+                self.restored += 1
+                return
+        self.native.cut(slot.seq_id, 0)  # what a failed restore left
+        slot.tokens = []
+
+    def _offload_idle(self) -> None:
+        """Move every idle slot's KV from the cache to host memory, within `stored_tokens` (the least
+        recently used first out of host memory, the most recently used first into it)."""
+        idle = sorted(
+            (s for s in self.slots.slots if not s.busy and s.tokens and s.stored is None),
+            key=lambda s: -s.last_used,
+        )
+        for slot in idle:
+            if len(slot.tokens) > self.stored_tokens:
+                continue  # stays in the cache
+            self._trim_stored(self.stored_tokens - len(slot.tokens), newer_than=slot.last_used)
+            if self._stored() + len(slot.tokens) > self.stored_tokens:
+                break  # only newer KV is held: this and older stay in the cache
+            try:
+                slot.stored = self.native.save(slot.seq_id)
+            except RuntimeError as exc:  # it stays in the cache
+                log.warning("an idle slot's KV could not be saved to host memory: %s", exc)
+                continue
+            self.native.cut(slot.seq_id, 0)
+            self.offloaded += 1
+
+    def _stored(self) -> int:
+        return sum(len(s.tokens) for s in self.slots.slots if s.stored is not None)
+
+    def _trim_stored(self, room: int, *, newer_than: int) -> None:
+        """Forget stored KV, oldest first, older than `newer_than`, until at most `room` tokens are held."""
+        held = sorted((s for s in self.slots.slots if s.stored is not None), key=lambda s: s.last_used)
+        total = sum(len(s.tokens) for s in held)
+        for slot in held:
+            if total <= room or slot.last_used >= newer_than:
+                return
+            total -= len(slot.tokens)
+            slot.stored, slot.tokens, slot.session = None, [], None
 
     def _finish(self, generation: Generation) -> None:
         if generation in self.active:
@@ -669,6 +755,7 @@ class Batcher:
         for slot in self.slots.slots:
             slot.tokens = []
             slot.session = None
+            slot.stored = None
 
     def drop_stale(self) -> None:
         """Free the KV computed under other weights than the current ones (it is never reused)."""
@@ -676,6 +763,7 @@ class Batcher:
             if slot.version != self.version and not slot.busy:
                 self.native.cut(slot.seq_id, 0)
                 slot.tokens = []
+                slot.stored = None
 
     def adopt_cache(self) -> None:
         """Mark every slot's KV as computed under the current weights (an update that said keep)."""

@@ -89,6 +89,9 @@ class LlamaCppSettings:
     kv_cache_f32: bool = False
     parallel: int = 0  # generations decoded together; 0: DEFAULT_PARALLEL
     cache_tokens: int = 0  # KV cells shared by all sequences; 0: default_cache_tokens()
+    # Idle sessions' KV held in host memory while a long prompt is read (`engines.batching`), in
+    # tokens (23 KB each for the shipped model); None: as many as the cache holds; 0: it stays in the cache
+    stored_tokens: int | None = None
 
 
 class LlamaCppEngine:
@@ -136,6 +139,7 @@ class LlamaCppEngine:
             tuner=ThreadTuner(self.threads, all_threads()) if tuned else None,
             make_mask=lambda n, grammar: _GrammarMask(self._lib, n, grammar),
             on_finish=self._finished,
+            stored_tokens=self.cache_tokens if settings.stored_tokens is None else settings.stored_tokens,
         )
 
     @property
@@ -278,6 +282,9 @@ class LlamaCppEngine:
             "steps": batcher.steps,
             "mean_batch": round(batcher.batched_sequences / batcher.steps, 2) if batcher.steps else 0.0,
             "preempted": batcher.preempted,
+            # idle sessions' KV moved to host memory while a long prompt was read, and put back
+            "kv_offloaded": batcher.offloaded,
+            "kv_restored": batcher.restored,
             "worker_faults": batcher.faults,
             "worker_restarts": batcher.restarts,
             "weights_version": self.weights_version,

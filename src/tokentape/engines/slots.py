@@ -8,12 +8,17 @@ recently used idle one; it then skips the longest prefix it shares with any slot
 the current weights: its own (a session's next turn: prefill only the bridge and the new messages),
 or another slot's, copied in (n > 1 choices of one prompt, a group of episodes on one question).
 The last prompt token is always evaluated, for its logits.
+
+An idle slot's KV may be held in host memory instead of the cache (`Slot.stored`, set by the batcher):
+it still counts as the session's, is put back before its session's next turn, but is no source to copy
+from and no cells to evict.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Assignment", "Slot", "SlotTable", "shared_prefix"]
 
@@ -36,6 +41,7 @@ class Slot:
     session: str | None = None
     last_used: int = 0
     busy: bool = False
+    stored: Any = None  # its KV saved to host memory (llama.cpp's sequence state) while out of the cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +74,7 @@ class SlotTable:
         best: Slot | None = None
         length = 0
         for slot in self.slots:
-            if slot.version != version or not slot.tokens:
+            if slot.version != version or not slot.tokens or slot.stored is not None:
                 continue
             shared = min(shared_prefix(slot.tokens, prompt), len(prompt) - 1)
             if shared > length:
@@ -111,8 +117,8 @@ class SlotTable:
         slot.last_used = self._clock
 
     def evict(self) -> Slot | None:
-        """Empty the least recently used idle slot that holds KV (for room in the cache)."""
-        holding = [s for s in self.slots if not s.busy and s.tokens]
+        """Empty the least recently used idle slot that holds KV in the cache (for room in it)."""
+        holding = [s for s in self.slots if not s.busy and s.tokens and s.stored is None]
         if not holding:
             return None
         slot = min(holding, key=lambda s: s.last_used)
