@@ -23,7 +23,7 @@ from tokentape.engines.base import Constraint
 from tokentape.engines.gbnf import MAX_GRAMMAR_ALTERNATIVES, schema_grammar
 from tokentape.errors import InvalidRequest
 
-__all__ = ["output_constraint", "tool_names"]
+__all__ = ["output_constraint"]
 
 # How each format writes one call around its JSON object; formats missing here cannot be enforced.
 _CALL_SYNTAX: dict[ToolFormat, tuple[str, str, str]] = {
@@ -33,10 +33,6 @@ _CALL_SYNTAX: dict[ToolFormat, tuple[str, str, str]] = {
 }
 # A schema that accepts any JSON object (json_object mode; tools without parameters).
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> list[str]:
-    return [str((tool.get("function") or {}).get("name")) for tool in tools or ()]
 
 
 def _named(tool_choice: Any) -> str | None:

@@ -75,10 +75,6 @@ class VersionGate:
             return False
         return True
 
-    @property
-    def in_engine(self) -> int:
-        return self._in_engine
-
     async def enter(self) -> Pin:
         while not self.running.is_set():  # re-checked: a hold may come between the wake-up and here
             await self.running.wait()

@@ -34,31 +34,10 @@ from tokentape.client import GatewayClient
 from tokentape.core.formats import ATROPOS_MASKED, ATROPOS_MASKED_LOGPROB
 from tokentape.rollout import context_overflow
 
-__all__ = ["ManagedSession", "TokentapeServerManager", "scored_data_group", "sequence_node"]
+__all__ = ["ManagedSession", "TokentapeServerManager", "scored_data_group"]
 
 # Keyword arguments Atropos's server manager takes that are not part of the OpenAI request.
 _ATROPOS_ONLY = ("split",)
-
-
-def sequence_node(branch: dict[str, Any], full_text: str) -> Any:
-    """One exported branch as atroposlib's `SequenceNode`."""
-    from atroposlib.envs.server_handling.managed_server import SequenceNode
-
-    tokens = list(branch["tokens"])
-    masked = [t if keep else ATROPOS_MASKED for t, keep in zip(tokens, branch["loss_mask"], strict=True)]
-    logprobs = [ATROPOS_MASKED_LOGPROB if lp is None else lp for lp in branch["logprobs"]]
-    return SequenceNode(
-        full_text=full_text,
-        tokens=tokens,
-        masked_tokens=masked,
-        logprobs=logprobs,
-        metadata={
-            "finish_reason": branch["finish_reasons"][-1] if branch["finish_reasons"] else None,
-            "finish_reasons": list(branch["finish_reasons"]),
-            "branch_id": branch["branch_id"],
-            "turn_ids": list(branch["turn_ids"]),
-        },
-    )
 
 
 def scored_data_group(nodes: Sequence[Any], scores: Sequence[float]) -> dict[str, Any]:

@@ -375,8 +375,3 @@ def _pil(url: str) -> Any:
 
 def _digest(prompt: Any) -> str:
     return hashlib.blake2b(repr(prompt).encode(), digest_size=8).hexdigest()
-
-
-def config_path() -> Path:
-    """The YAML that registers `tokentape_agent` (give it to `agent_loop_config_path`)."""
-    return CONFIG_PATH

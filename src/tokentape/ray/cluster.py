@@ -140,13 +140,6 @@ def _when_up(call: Any, timeout: float) -> Any:
             time.sleep(0.2)
 
 
-def _public_host(host: str) -> str:
-    if host in ("0.0.0.0", "::"):
-        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return address
-    return host
-
-
 def start_cluster(settings: ClusterSettings) -> Cluster:
     """The directory, the queue (if named) and `settings.gateways` gateway actors, spread over the
     cluster's nodes and pinned there (a gateway restarts beside its shard)."""
@@ -215,10 +208,6 @@ class TrajectoryReader:
     def get(self, max_items: int = 1, timeout: float | None = None) -> list[dict[str, Any]]:
         """Up to `max_items` finished sessions, each as its export; [] if none came within `timeout`."""
         batch: list[dict[str, Any]] = ray.get(self.queue.get.remote(max_items, timeout))
-        return batch
-
-    async def get_async(self, max_items: int = 1, timeout: float | None = None) -> list[dict[str, Any]]:
-        batch: list[dict[str, Any]] = await self.queue.get.remote(max_items, timeout)
         return batch
 
     def size(self) -> dict[str, int]:

@@ -68,9 +68,6 @@ class SessionPlacement:
         """Unfinished sessions per gateway."""
         return {index: self._open[index] for index in self.urls}
 
-    def sessions_of(self, index: int) -> int:
-        return sum(1 for owner in self._owner.values() if owner == index)
-
 
 @dataclass(slots=True)
 class EngineBook:
