@@ -151,6 +151,7 @@ fuzz: setup  ## the adversarial suite: 4 x FUZZ_BATCHES requests against a live 
 	TOKENTAPE_FUZZ_EXAMPLES=$(FUZZ_BATCHES) $(PY) -m pytest tests/reliability/test_fuzz.py -p no:randomly -p no:cacheprovider --timeout=0 -q
 	@cat test-output/fuzz.json
 	$(PY) -m tests.reliability.loop_fuzz  # huge requests six at once: /health, an honest chat, the loop's lag
+	$(PY) -m tests.reliability.held_fuzz  # misbehaving clients (huge heads, refused bodies, unread streams, Slowloris, template inputs, Responses): RSS, held bytes by kind, loop lag, an honest session
 
 # The coding-agent harnesses at pinned versions (tests/e2e/harnesses/install.py), installed once into
 # ~/.cache/tokentape/harnesses/<name>-<version> (npm; a virtualenv for mini-swe-agent) and reused, each

@@ -154,7 +154,11 @@ class Reparser:
                 data, keep = after
                 return data, functools.partial(self._put, key, keep)
         data = orjson.loads(body)
-        return data, functools.partial(self._put, key, _remembered(body, data, field))
+        # where its history ends is looked for only if it is kept: a refused body costs its parse alone
+        return data, functools.partial(self._put_whole, key, body, data, field)
+
+    def _put_whole(self, key: str, body: bytes, data: Any, field: str) -> None:
+        self._put(key, _remembered(body, data, field))
 
     def _put(self, key: str, kept: _Kept | _Declined | None) -> None:
         if self._closed.get(key):  # closed while the request ran
