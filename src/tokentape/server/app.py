@@ -33,7 +33,7 @@ from tokentape.server.dialects.anthropic import (
     count_tokens_route,
 )
 from tokentape.server.dialects.images import ImageLimits
-from tokentape.server.dialects.registry import DIALECTS
+from tokentape.server.dialects.registry import DIALECTS, shape_for_path
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
 from tokentape.server.heap import settle_for_serving
 from tokentape.server.hot_routes import HotRoutes
@@ -129,7 +129,7 @@ def create_app(
     app = GatewayApp(
         title="tokentape", summary="Token-exact OpenAI-compatible gateway", version=VERSION, lifespan=lifespan
     )
-    install_error_handlers(app)
+    install_error_handlers(app, shape_for_path)
     serving = Serving(gateway, model_id)
     tokenizer = serving.tokenizer
     renderer = gateway.renderer

@@ -37,6 +37,7 @@ __all__ = [
 log = logging.getLogger("tokentape.server")
 
 _SHAPE_KEY = "tokentape.error_shape"  # where a request's dialect leaves its shape in the ASGI scope
+_LOOKUP_KEY = "error_shape_for_path"  # the app's path -> shape lookup, installed with the handlers
 
 
 def json_response(body: object, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -120,9 +121,9 @@ def _shape_of(request: Request) -> ErrorShape:
     shape = request.scope.get(_SHAPE_KEY)
     if isinstance(shape, ErrorShape):
         return shape
-    from tokentape.server.dialects.registry import shape_for_path  # the registry imports this module
-
-    return shape_for_path(request.url.path)  # before any route ran
+    app = request.scope.get("app")
+    lookup = getattr(getattr(app, "state", None), _LOOKUP_KEY, None)
+    return lookup(request.url.path) if lookup is not None else OPENAI_ERRORS  # before any route ran
 
 
 def error_response(exc: TokentapeError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
@@ -166,6 +167,9 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     return error_response(TokentapeError("internal server error", code="internal_error"), _shape_of(request))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shape_for_path: Callable[[str], ErrorShape]) -> None:
+    """Errors of `app` in their dialect's shape: the one a route set, else the one `shape_for_path`
+    (the dialect registry's) gives for an answer made before any route ran."""
+    setattr(app.state, _LOOKUP_KEY, shape_for_path)
     for kind in (TokentapeError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(kind, handle_error)
