@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from tests.support.fake_engines import serving
 from tokentape.cli import app as cli
+from tokentape.server.connections import ConnectionLimits
 from tokentape.server.write_combining import FLUSH_AT_BYTES, CombinedWrites, WriteCombiningHttpTools
 
 
@@ -181,5 +182,7 @@ def test_serve_runs_uvicorn_with_the_write_combining_protocol(monkeypatch: pytes
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: given.update(k))
     result = CliRunner().invoke(cli, ["serve", "--store", ":memory:"])
     assert result.exit_code == 0, result.output
-    assert given["http"] is WriteCombiningHttpTools
+    # the bounded protocol (`server.connections`), which writes through `CombinedWrites` too
+    assert issubclass(given["http"], WriteCombiningHttpTools)
+    assert given["http"].limits == ConnectionLimits()  # the serve options' defaults are the protocol's
     assert given["loop"] == "uvloop"
