@@ -3,6 +3,7 @@ tokens written in the text are parsed as special tokens, and no BOS is added (te
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,8 @@ class GGUFTokenizer:
         vocab = llama_cpp.llama_model_get_vocab(self._llama.model)
         self._vocab = vocab
         self._tokenize = llama_cpp.llama_tokenize
+        self._to_piece = llama_cpp.llama_token_to_piece
+        self._bos = self._llama.token_bos()
         self._token_array = llama_cpp.llama_token
         self.vocab_size: int = self._llama.n_vocab()
         self.end_of_turn_ids = frozenset(t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t))
@@ -128,23 +131,38 @@ class GGUFTokenizer:
             longest = max(longest, length)
         return max(longest, 4)  # an unknown character is one token of up to 4 bytes
 
+    def _piece(self, token_id: int, special: bool) -> bytes:
+        """One token's bytes, from llama.cpp's own `llama_token_to_piece`, in a buffer as long as the
+        piece needs: llama-cpp-python's `detokenize` gives every token 32 bytes and keeps whatever a
+        longer one (SmolLM2's newline and 80 spaces) left in it."""
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            written = self._to_piece(self._vocab, token_id, buffer, size, 0, special)
+            if written >= 0:
+                return buffer.raw[:written]
+            size = -written  # too short: llama.cpp says how long a buffer the piece needs
+
+    def _text(self, token_ids: Sequence[int], special: bool) -> bytes:
+        text = b"".join(self.token_bytes(t) if not special else self._piece(t, True) for t in token_ids)
+        # as llama.cpp's detokenizing: the space a beginning-of-sequence token leaves before the text goes
+        if token_ids and token_ids[0] == self._bos and text[:1] == b" ":
+            return text[1:]
+        return text
+
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per process, bounded cache
     def token_bytes(self, token_id: int) -> bytes:
-        piece: bytes = self._llama.detokenize([token_id], special=False)
-        return piece
+        return self._piece(token_id, False)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019
     def special_text(self, token_id: int) -> str:
-        piece: bytes = self._llama.detokenize([token_id], special=True)
-        return piece.decode("utf-8", "replace")
+        return self._piece(token_id, True).decode("utf-8", "replace")
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        text: bytes = self._llama.detokenize(list(token_ids), special=False)
-        return text.decode("utf-8", "replace")
+        return self._text(token_ids, False).decode("utf-8", "replace")
 
     def decode_all(self, token_ids: Sequence[int]) -> str:
-        text: bytes = self._llama.detokenize(list(token_ids), special=True)
-        return text.decode("utf-8", "replace")
+        return self._text(token_ids, True).decode("utf-8", "replace")
 
     def token_name(self, key: str) -> str:
         """The text of a special token named in the GGUF metadata (e.g. `tokenizer.ggml.eos_token_id`)."""
