@@ -4,7 +4,8 @@ Every gateway of a cluster (and the front process, which owns no session) wraps 
 `OwnerRouting`. A request names its session as every gateway reads it (`server.session_names`:
 base URL path, `X-Session-ID` header, `session_id` body field, a harness's own id). If this process
 owns the session, its own app answers; otherwise the request goes to the owner through
-`Peers.forward` (a Ray actor call, streamed), so an agent may talk to any gateway. `GET /sessions` and `GET /export` gather every gateway's shard.
+`Peers.forward` (a Ray actor call, streamed), so an agent may talk to any gateway. `GET /sessions`
+and `GET /export` gather every gateway's shard.
 """
 
 from __future__ import annotations
