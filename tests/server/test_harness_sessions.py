@@ -24,7 +24,7 @@ from tokentape.engines.scripted import ScriptedEngine
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
-from tokentape.render.renderer import Renderer
+from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.server.app import create_app
 from tokentape.server.session_names import Named, named_session
 
@@ -224,3 +224,35 @@ async def test_opencodes_title_call_racing_its_first_turn_is_a_side_call(
     assert first.headers["x-session-id"] == "ses_abc"
     assert title.headers["x-session-id"] == side_session_id("ses_abc", episode_head([title_system]))
     assert (await http.get("/sessions/ses_abc")).json()["branches"] == 1
+
+
+async def test_a_compacted_history_is_a_new_branch_of_the_episode_rendered_whole(
+    served: tuple[Gateway, httpx.AsyncClient], renderer: Renderer
+) -> None:
+    """Auto-compaction (Claude Code's, Codex's) replaces the history with a summary: no recorded reply
+    is in it, so it is a fresh branch of the episode's session, its prompt the template's rendering
+    of what was sent (computed here by the renderer, independently of the session), and the
+    earlier branch stays as it was."""
+    _, http = served
+    headers = {"X-Claude-Code-Session-Id": "compacted"}
+    user = {"role": "user", "content": "fix the build"}
+    first = await http.post("/v1/chat/completions", json=_chat(SYSTEM, user), headers=headers)
+    reply = {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+    await http.post(
+        "/v1/chat/completions", json=_chat(SYSTEM, user, reply, {"role": "user", "content": "go on"}), headers=headers
+    )
+    compacted = [
+        SYSTEM,
+        {"role": "user", "content": "Summary: the build was fixed."},
+        {"role": "user", "content": "next"},
+    ]
+    after = await http.post("/v1/chat/completions", json=_chat(*compacted), headers=headers)
+    assert after.headers["x-session-id"] == "compacted"
+    exported = (await http.get("/sessions/compacted/export")).json()
+    assert len(exported["branches"]) == 2
+    assert (await http.get("/sessions/compacted")).json()["rewrites"] == 0
+    newest = max(exported["branches"], key=lambda b: max(b["turn_ids"]))
+    expected = list(renderer.prompt(compacted, RenderOptions(tools=TOOLS)).tokens)
+    sampled = [t for t, m in zip(newest["tokens"], newest["loss_mask"], strict=True) if m]
+    assert newest["tokens"][: len(expected)] == expected
+    assert newest["tokens"][len(expected) :] == sampled  # the rest is what the engine sampled
