@@ -105,7 +105,7 @@ unit: setup browser  ## the tests but the Ray cluster's (in a new order each run
 	@TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) $(PY) tests/e2e/harnesses/install.py codex >/dev/null 2>&1 || \
 		echo "unit: Codex could not be installed from npm here; its harness test skips (make e2e-harnesses says why)"
 	TOKENTAPE_HARNESSES=$(HARNESSES_CACHE) TOKENTAPE_HARNESSES_ONLY=codex \
-		$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --durations=20
+		$(PY) -m pytest --ignore=tests/ray -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
 # Ray looks up its node address by "connecting" toward a public address even when pinned to
 # loopback: as root its tests run in a network namespace that has only `lo`; elsewhere they skip.

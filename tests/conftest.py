@@ -38,6 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[sampling_salt.SALT_ENV] = str(secrets.randbelow(2**31))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files marked `heavy` (a trainer step, a float64 forward: a minute or more each, in few tests)
+    go first, each part in the order it was given (pytest-randomly's shuffle is kept). Under xdist's
+    `--dist loadfile` a file is one unit: a long one handed out last would leave the other workers
+    idle until it ends. `make unit` passes `--no-loadscope-reorder`, or xdist would put the files of
+    many tests first and so these last."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     salt = os.environ.get(sampling_salt.SALT_ENV) or "off"
     return f"sampling salt: {salt} (reproduce with {sampling_salt.SALT_ENV}={salt if salt != 'off' else ''})"

@@ -21,7 +21,7 @@ from tests.support.wire import Turn, assert_on_tape
 from tokentape.launcher import RunningServer
 from tokentape.render.tokenizer import GGUFTokenizer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 
 VERIFIERS = ["verifiers==0.4.0", "gguf==0.19.0"]  # gguf: to read the model's vocabulary
 SCRIPT = Path(__file__).with_name("verifiers_train_client.py")

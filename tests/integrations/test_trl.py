@@ -33,6 +33,9 @@ from tokentape.server.middleware import GuardSettings  # noqa: E402
 from tokentape.train.loss import build_batch, samples_from_export, token_logprobs  # noqa: E402
 from tokentape.train.weights import LORA_TARGETS, f32_gguf, load_model  # noqa: E402
 
+pytestmark = pytest.mark.heavy
+
+
 # the F32 bound of tests/train/test_loop.py: the engine serves an F32 copy with an F32 KV cache
 MEAN_BOUND, MAX_BOUND = 1e-4, 1e-3
 REWARDS = itertools.count()  # one group's two episodes get 0 and 1, whatever the model samples

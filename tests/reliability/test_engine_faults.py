@@ -8,6 +8,8 @@ import pytest
 
 from tests.reliability import engine_faults, storm
 
+pytestmark = pytest.mark.heavy
+
 KINDS = ["vllm", "vllm-generate", "sglang"]
 
 

@@ -21,6 +21,8 @@ from tests.train.test_weights import TOKENS, trainer_logprobs  # noqa: E402
 from tokentape.runtime import embedded_model_path  # noqa: E402
 from tokentape.train.weights import UnwritableLora, f32_gguf, load_model, write_lora_gguf  # noqa: E402
 
+pytestmark = pytest.mark.heavy
+
 MEAN_BOUND, MAX_BOUND = 1e-4, 1e-3  # measured without an adapter: 4.8e-6 mean, 3.1e-5 max
 LAYERS = [0, 13, 29]  # a few blocks, first and last among them: the test stays quick
 

@@ -25,6 +25,8 @@ from tokentape.server.middleware import GuardSettings
 from tokentape.train.loop import TrainConfig, Trainer, connect
 from tokentape.train.weights import f32_gguf
 
+pytestmark = pytest.mark.heavy
+
 TRAINER_KEY = "trainer-key-of-the-test"
 
 # Measured on this model (F32 weights, F32 KV cache, 2 threads): mean 3.5e-6, max 3.6e-5 nats over

@@ -29,6 +29,8 @@ from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_
 from tokentape.train.packed import PackedBatch, build_packed, packed_groups, packed_loss, packed_token_logprobs
 from tokentape.train.weights import f32_gguf, load_model
 
+pytestmark = pytest.mark.heavy
+
 TEMPERATURE, CLIP = 0.8, 2.0
 BLOCKS = 4  # more than the two whose gradient is compared: a leak in an earlier block reaches them
 

@@ -17,6 +17,8 @@ gguf = pytest.importorskip("gguf")
 from tokentape.runtime import embedded_model_path  # noqa: E402
 from tokentape.train.weights import add_lora, f32_gguf, load_model, write_lora_gguf  # noqa: E402
 
+pytestmark = pytest.mark.heavy
+
 # a rendered chat: system, user, assistant (token IDs of the embedded model's vocabulary)
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 TOKENS += [198, 1, 4093, 198, 5820, 253, 7302, 30, 2, 198, 1, 520, 9531, 198, 504, 37576, 42, 29902, 593, 376, 731]
