@@ -15,7 +15,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template, rend
 import tokentape.render.template as template_module
 from tests.support.models import SOURCES
 from tokentape.errors import InvalidRequest
-from tokentape.render.hf import load_model_dir
+from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 
 TOOLS = [
@@ -58,8 +58,10 @@ CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dic
 
 
 @pytest.fixture(scope="module")
-def templates(model_dirs: dict[str, Path]) -> dict[str, ChatTemplate]:
-    return {name: load_model_dir(directory)[0] for name, directory in model_dirs.items()}
+def templates(model_dirs: dict[str, Path], renderers: dict[str, Renderer]) -> dict[str, ChatTemplate]:
+    """The templates of the session's renderers (each `load_model_dir` of its directory): building them
+    again here would read every tokenizer again."""
+    return {name: renderers[name].template for name in model_dirs}
 
 
 def transformers_text(
