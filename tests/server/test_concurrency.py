@@ -70,9 +70,9 @@ async def test_a_request_lets_what_is_ready_run_before_it_is_planned(
     order: list[str] = []
     plan = gateway.planner.chat
 
-    async def planned(tree: SessionTree, call: ChatCall) -> Plan:
+    async def planned(tree: SessionTree, call: ChatCall, *rest: Any) -> Plan:
         order.append("planned")
-        return await plan(tree, call)
+        return await plan(tree, call, *rest)
 
     monkeypatch.setattr(gateway.planner, "chat", planned)
 
