@@ -119,7 +119,11 @@ class Site:
 def sites() -> Iterator[tuple[Site, str, Site, str]]:
     """One site on 127.0.0.1 and one on 127.0.0.2 (the operator opens at most the first)."""
     inside, other = Site(), Site()
-    with serving(inside.app()) as url, serving(other.app(), host="127.0.0.2") as other_url:
+    # a request still on /slow when the test ends is cut after 1 s, not waited for (its 30 s)
+    with (
+        serving(inside.app(), timeout_graceful_shutdown=1) as url,
+        serving(other.app(), host="127.0.0.2", timeout_graceful_shutdown=1) as other_url,
+    ):
         inside.elsewhere = other_url
         yield inside, url, other, other_url
 
