@@ -83,3 +83,24 @@ def test_the_f32_copy_and_the_trainer_agree_the_q4_1_file_does_not(f32: Path, tm
 
     llm = llama_cpp.Llama(model_path=str(embedded_model_path()), lora_path=str(adapter), n_ctx=64, verbose=False)
     llm.close()
+
+
+def test_the_kept_copy_loads_the_very_model_the_gguf_loader_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load_model` keeps the dequantized model as safetensors and loads that next time: the same
+    parameters bit for bit and the same forward, without the minute transformers' GGUF loader takes."""
+    monkeypatch.setenv("TOKENTAPE_CACHE", str(tmp_path))  # an empty cache: the first load reads the GGUF
+    path = embedded_model_path()
+    from_gguf = load_model(path)
+    copy = next((tmp_path / "hf").iterdir())
+    assert (copy / "config.json").is_file() and not list((tmp_path / "hf").glob("*.partial"))
+    written = (copy / "config.json").stat().st_mtime_ns
+    again = load_model(path)
+    assert (copy / "config.json").stat().st_mtime_ns == written  # read, not written again
+    first, second = from_gguf.state_dict(), again.state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not getattr(again, "is_quantized", False) and not hasattr(again.config, "quantization_config")
+    assert not again.training
+    np.testing.assert_array_equal(trainer_logprobs(from_gguf), trainer_logprobs(again))

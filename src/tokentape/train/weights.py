@@ -3,7 +3,7 @@
 - `f32_gguf(path)`: a copy of a GGUF with every tensor dequantized to F32 (written once, cached): the
   engine serves it so that its logprobs and the trainer's agree to rounding.
 - `load_model(path)`: the torch model from a GGUF (transformers' GGUF loader dequantizes; it also
-  undoes the q/k permutation that llama conversion applies).
+  undoes the q/k permutation that llama conversion applies), kept as a safetensors copy for the next load.
 - `write_lora_gguf(model, path)`: the peft LoRA as a llama.cpp adapter GGUF, named as llama.cpp's
   convert_lora_to_gguf.py names its tensors. Every projection peft can adapt on llama (q, k, v, o,
   gate, up, down); llama conversion permutes the rows of q and k (rotary halves, per head; k per
@@ -110,21 +110,54 @@ def f32_gguf(source: Path, target_dir: Path | None = None) -> Path:
 
 
 def load_model(path: Path) -> Any:
-    """The causal LM in a GGUF, dequantized to float32, in eval mode (no dropout in this model)."""
+    """The causal LM in a GGUF, dequantized to float32, in eval mode (no dropout in this model).
+
+    transformers' GGUF loader takes about a minute for the embedded 135M model on this 2-core
+    machine (it parses the file's metadata twice and rebuilds gguf's tensor-name map for every
+    tensor; the dequantizing is 2 s), so the dequantized model is kept once as a safetensors copy
+    (`hf_copy`), keyed by the file's bytes and the transformers version, which loads in under a second:
+    float32 tensors written and read back are the same bits."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    copy = hf_copy(path)
+    if (copy / "config.json").is_file():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        # the weights are dequantized float32 tensors: nothing of the file's quantization remains, but the
+        # loader marks the model as GGUF-quantized, which trainers (transformers' Trainer) refuse to train
+        model.hf_quantizer = None  # type: ignore[assignment]
+        model.is_quantized = False  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        _keep(model, copy)
     model.eval()  # type: ignore[no-untyped-call]
-    # the weights are dequantized float32 tensors: nothing of the file's quantization remains, but the
-    # loader marks the model as GGUF-quantized, which trainers (transformers' Trainer) refuse to train
-    model.hf_quantizer = None  # type: ignore[assignment]
-    model.is_quantized = False  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     return model
+
+
+def hf_copy(path: Path) -> Path:
+    """Where the dequantized model of the GGUF at `path` is kept (a folder, once written)."""
+    import transformers
+
+    with path.open("rb") as file:
+        key = hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=8)).hexdigest()
+    return cache_dir() / "hf" / f"{path.stem}-{key}-transformers-{transformers.__version__}"
+
+
+def _keep(model: Any, copy: Path) -> None:
+    """Write the model to `copy` through a temporary folder renamed into place, so a reader never
+    meets half of one; a copy that cannot be written (a read-only cache) is only not kept."""
+    import shutil
+
+    partial = copy.with_name(f"{copy.name}.{os.getpid()}.partial")
+    try:
+        model.save_pretrained(str(partial), safe_serialization=True)
+        partial.replace(copy)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def add_lora(model: Any, *, rank: int = 8, alpha: float = 16.0, seed: int = 0, last_layers: int | None = None) -> Any:
