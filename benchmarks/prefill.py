@@ -4,8 +4,9 @@ A coding agent's first turn is a long prompt (a system prompt, tool schemas, a r
 tokens). This measures how fast each side reads one: the embedded engine (`LlamaCppEngine` in this
 process, as `tokentape serve` builds it: its default parallel, batch and flash attention, the shipped
 SmolLM2-135M Q4_1 GGUF) and `llama-server` (llama.cpp's C++ server, `--llama-server BIN`, on the same
-GGUF, its defaults but `-t/-tb THREADS -np 1 -c CONTEXT`), both with the same threads, each sent the
-same prompt of N token IDs and asked for one greedy token. The figure is N over the wall time of that
+GGUF, its defaults but `-t/-tb THREADS -np 1 -c CONTEXT`, and past the model's training context
+`--override-kv` raising it, where llama-server would cap a slot), both with the same threads, each
+sent the same prompt of N token IDs and asked for one greedy token. The figure is N over the wall time of that
 call: prefill and one sampled token (a few ms at most, next to seconds of prefill).
 
 Every prompt is new to both (random token IDs, fresh each round, the same for both sides of a round;
@@ -49,6 +50,7 @@ import httpx
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
+from tokentape.engines.gguf_files import read_header
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings, default_threads
 from tokentape.launcher import free_port
 from tokentape.runtime import embedded_model_path
@@ -99,6 +101,9 @@ def llama_server(binary: str, model: Path, threads: int, context: int, slots: in
     port = free_port()
     command = [binary, "-m", str(model), "--port", str(port), "-t", str(threads), "-tb", str(threads)]
     command += ["-np", str(slots), "-c", str(context), "--no-webui"]
+    trained = _trained_context(model)
+    if context > trained:  # llama-server caps a slot at the training context; the engine does not
+        command += ["--override-kv", f"{_architecture(model)}.context_length=int:{context}"]
     if slots > 1:
         command.append("--kv-unified")
     log = Path(tempfile.mkdtemp(prefix="tokentape-prefill-")) / "llama-server.log"
@@ -171,6 +176,15 @@ async def run(args: argparse.Namespace) -> None:
         if args.llama_server:
             row += "".join(f" {rates[name] / rates[SERVER]:>17.2f}x" for name in engines)
         print(row)
+
+
+def _architecture(model: Path) -> str:
+    return str(read_header(model, frozenset({"general.architecture"})).metadata["general.architecture"])
+
+
+def _trained_context(model: Path) -> int:
+    key = f"{_architecture(model)}.context_length"
+    return int(read_header(model, frozenset({key})).metadata[key])
 
 
 def _cpu_name() -> str:
