@@ -179,6 +179,16 @@ def test_metrics_on_the_gateways_count_what_the_shards_hold(cluster: dict[str, A
     assert counted["tokentape_sampled_tokens_total"] == sum(s["sampled_tokens"] for s in listed) > 0
 
 
+def test_every_gateway_bounds_a_request_head_before_its_app(cluster: dict[str, Any]) -> None:
+    """The gateway actors serve with `tokentape serve`'s bounded protocol: more headers than it takes
+    (256, each small enough for the app's own byte limit) get 431 before the app reads them."""
+    many = [(f"x-h{i}", "v") for i in range(300)]
+    for url in cluster["gateways"].values():
+        response = httpx.get(f"{url}/health", headers=many)
+        assert response.status_code == 431, response.text
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_the_front_pages_through_every_shard_in_order(cluster: dict[str, Any]) -> None:
     front = cluster["front"]
     everything = httpx.get(f"{front}/sessions").json()["data"]

@@ -184,7 +184,7 @@ class GatewayActor:
 
         from tokentape.runtime import build_gateway
         from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
-        from tokentape.server.write_combining import WriteCombiningHttpTools
+        from tokentape.server.connections import ConnectionLimits, bounded_protocol
 
         self.spec = spec
         Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,8 @@ class GatewayActor:
             port=spec.port,
             log_level="warning",
             lifespan="on",
-            http=WriteCombiningHttpTools,
+            # bounded as `tokentape serve` is, at its defaults: heads, slow heads and bodies, clients that stop reading
+            http=bounded_protocol(ConnectionLimits()),
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
         self.server = uvicorn.Server(config)
