@@ -1,4 +1,4 @@
-"""Which session a request names: one reading for every route, the guard and the cluster's routing.
+"""Which session a request names: one reading for every generation route and the cluster's routing.
 
 Precedence, the first one sent wins:
 
