@@ -30,7 +30,10 @@ OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 def _help_options(verb: str) -> set[str]:
-    result = CliRunner().invoke(cli_app, [verb, "--help"], env={"COLUMNS": "400", "TERM": "dumb"})
+    # rich takes COLUMNS only with LINES beside it on a console it takes for a dumb terminal (80 columns
+    # otherwise, and option names cut short): whether it takes one depends on what ran before in the worker
+    env = {"COLUMNS": "400", "LINES": "50", "TERM": "dumb"}
+    result = CliRunner().invoke(cli_app, [verb, "--help"], env=env)
     assert result.exit_code == 0, result.output
     return set(OPTION.findall(result.output)) - {"--help"}
 
