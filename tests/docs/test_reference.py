@@ -27,15 +27,17 @@ from tokentape.server.dialects.openai_chat import OpenAIChat
 from tokentape.server.dialects.registry import DIALECTS, PATHS
 
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def _help_options(verb: str) -> set[str]:
-    # rich takes COLUMNS only with LINES beside it on a console it takes for a dumb terminal (80 columns
-    # otherwise, and option names cut short): whether it takes one depends on what ran before in the worker
-    env = {"COLUMNS": "400", "LINES": "50", "TERM": "dumb"}
+    # rich gives a console it takes for a terminal on TERM=dumb 80 columns whatever COLUMNS says (option
+    # names cut short), and whether it takes one depends on what ran before in the worker: a wide
+    # ordinary terminal, and its styling stripped
+    env = {"COLUMNS": "400", "LINES": "50", "TERM": "xterm", "NO_COLOR": "1"}
     result = CliRunner().invoke(cli_app, [verb, "--help"], env=env)
     assert result.exit_code == 0, result.output
-    return set(OPTION.findall(result.output)) - {"--help"}
+    return set(OPTION.findall(ANSI.sub("", result.output))) - {"--help"}
 
 
 def _section(page: str, heading: str) -> str:
