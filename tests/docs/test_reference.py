@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any
+from unittest import mock
 
 import typer
+import typer.rich_utils
 from typer.testing import CliRunner
 
 from tokentape.cli import app as cli_app
@@ -35,7 +37,8 @@ def _help_options(verb: str) -> set[str]:
     # names cut short), and whether it takes one depends on what ran before in the worker: a wide
     # ordinary terminal, and its styling stripped
     env = {"COLUMNS": "400", "LINES": "50", "TERM": "xterm", "NO_COLOR": "1"}
-    result = CliRunner().invoke(cli_app, [verb, "--help"], env=env)
+    with mock.patch.object(typer.rich_utils, "MAX_WIDTH", 400):  # the console's width, set outright
+        result = CliRunner().invoke(cli_app, [verb, "--help"], env=env)
     assert result.exit_code == 0, result.output
     return set(OPTION.findall(ANSI.sub("", result.output))) - {"--help"}
 
