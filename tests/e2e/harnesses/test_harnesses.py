@@ -220,7 +220,14 @@ def opencode(harness: Harness, url: str, home: Path) -> Run:
     }
     (home / ".config" / "opencode").mkdir(parents=True)
     (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(config))
-    env = _base_env(home) | {
+    env = _opencode_env(home)
+    # its title request (no tools, sent beside turn 1) is a side call: a session of its own
+    return Run([str(harness.executable), "run", TASK], env, side_sessions=1)
+
+
+def _opencode_env(home: Path) -> dict[str, str]:
+    """opencode's directories in the scratch home, and none of its own downloads or updates."""
+    return _base_env(home) | {
         "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_DATA_HOME": str(home / ".local" / "share"),
         "XDG_CACHE_HOME": str(home / ".cache"),
@@ -230,8 +237,6 @@ def opencode(harness: Harness, url: str, home: Path) -> Run:
         "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
         "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
     }
-    # its title request (no tools, sent beside turn 1) is a side call: a session of its own
-    return Run([str(harness.executable), "run", TASK], env, side_sessions=1)
 
 
 def mini_swe_agent(harness: Harness, url: str, home: Path) -> Run:
@@ -263,16 +268,7 @@ def codex_under_run(harness: Harness, home: Path) -> Run:
 
 
 def opencode_under_run(harness: Harness, home: Path) -> Run:
-    env = _base_env(home) | {
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "OPENCODE_DISABLE_AUTOUPDATE": "1",
-        "OPENCODE_DISABLE_MODELS_FETCH": "1",
-        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
-        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
-    }
+    env = _opencode_env(home)
     return Run([str(harness.executable), "run", TASK], env, side_sessions=1)
 
 
