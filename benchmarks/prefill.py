@@ -50,8 +50,8 @@ import httpx
 import numpy as np
 
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines.gguf_files import read_header
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings, default_threads
+from tokentape.formats.gguf import read_header
 from tokentape.launcher import free_port
 from tokentape.runtime import embedded_model_path
 

@@ -15,8 +15,8 @@ import pytest
 from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
 
 from tokentape.engines.base import Constraint
-from tokentape.engines.gbnf import strict_strings
 from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.formats.gbnf import strict_strings
 from tokentape.gateway.constraints import output_constraint
 
 SCHEMA: dict[str, Any] = {

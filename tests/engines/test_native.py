@@ -20,7 +20,7 @@ class Watch:  # records the environment at the moment llama_cpp is imported
             seen.append(os.environ.get("GOMP_SPINCOUNT"))
         return None
 sys.meta_path.insert(0, Watch())
-from tokentape.engines.native import llama_cpp
+from tokentape.native import llama_cpp
 module = llama_cpp()
 assert llama_cpp() is module  # imported once
 maps = open("/proc/self/maps").read()
@@ -42,7 +42,7 @@ def _probe(env: dict[str, str]) -> dict[str, object]:
 
 
 def test_the_runtime_loads_with_a_short_spin_and_the_environment_is_restored() -> None:
-    from tokentape.engines.native import OPENMP_SPIN
+    from tokentape.native import OPENMP_SPIN
 
     found = _probe({})
     assert found["set_for_import"] == [OPENMP_SPIN]

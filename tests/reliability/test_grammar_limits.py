@@ -27,9 +27,10 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines import batching
+from tokentape.engines import batch_sampling
 from tokentape.engines.base import Constraint
-from tokentape.engines.gbnf import (
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.formats.gbnf import (
     MAX_AMBIGUOUS_REPEATS,
     MAX_GRAMMAR_ALTERNATIVES,
     MAX_GRAMMAR_DEPTH,
@@ -37,7 +38,6 @@ from tokentape.engines.gbnf import (
     check_grammar,
     schema_grammar,
 )
-from tokentape.engines.llamacpp import LlamaCppEngine
 
 DEADLINE = 60.0  # seconds: far beyond a few tokens of the embedded model on one core
 
@@ -178,7 +178,7 @@ class _HeldMask:
 async def test_a_grammar_that_takes_too_long_fails_its_own_generation_and_holds_up_nobody(
     http: httpx.AsyncClient, engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batching, "GRAMMAR_SECONDS", 3.0)
+    monkeypatch.setattr(batch_sampling, "GRAMMAR_SECONDS", 3.0)
     batcher = engine._batcher
     real_make_mask = batcher._make_mask
     release = threading.Event()

@@ -38,7 +38,7 @@ def _dense_texts(tokenizer: Tokenizer) -> list[str]:
 def _piece(tokenizer: GGUFTokenizer, token: int) -> bytes:
     """llama.cpp's own text of a token, control tokens written out, into a buffer that holds any piece
     (llama-cpp-python's `detokenize` gives each token 32 bytes)."""
-    from tokentape.engines.native import llama_cpp as load
+    from tokentape.native import llama_cpp as load
 
     llama_cpp = load()
     buffer = (ctypes.c_char * 1024)()

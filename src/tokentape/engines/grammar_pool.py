@@ -1,7 +1,7 @@
 """The threads the embedded engine's grammars mask logits on: a fixed number, whatever comes.
 
 A grammar's mask for one token can cost anything from microseconds to half a minute (see
-`engines.gbnf`), so masks run off the engine's worker thread. They run on at most `size` threads
+`formats.gbnf`), so masks run off the engine's worker thread. They run on at most `size` threads
 (`GRAMMAR_THREADS`, 4 by default), started as they are first needed and kept. A mask waits in line
 while every thread is busy. A mask whose generation stopped waiting for it (the grammar took too
 long, or the client left) is taken out of the line if it has not started; one already running

@@ -34,13 +34,15 @@ import numpy as np
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines import sampling_salt
 from tokentape.engines.base import Constraint, SampledToken, logprob_mode
-from tokentape.engines.batching import DONE, Batcher, Generation, Native, NativeSettings
-from tokentape.engines.gbnf import check_grammar, schema_grammar
-from tokentape.engines.gguf_files import FLOAT_TYPES, GGUFHeader, read_header
+from tokentape.engines.batching import Batcher
+from tokentape.engines.generation import DONE, Generation
+from tokentape.engines.llama_context import Native, NativeSettings
 from tokentape.engines.sampler import LogitShaper
 from tokentape.engines.threads import ThreadTuner
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import ContextOverflow, EngineFailure, InvalidRequest, Overloaded
+from tokentape.formats.gbnf import check_grammar, schema_grammar
+from tokentape.formats.gguf import FLOAT_TYPES, GGUFHeader, read_header
 
 __all__ = ["DEFAULT_PARALLEL", "LlamaCppEngine", "LlamaCppSettings", "all_threads", "default_threads"]
 
@@ -98,7 +100,7 @@ class LlamaCppEngine:
     """A GGUF model in-process. `generate` is safe to call from many tasks at once."""
 
     def __init__(self, settings: LlamaCppSettings) -> None:
-        from tokentape.engines.native import llama_cpp as load
+        from tokentape.native import llama_cpp as load
 
         llama_cpp = self._lib = load()
         self.settings = settings

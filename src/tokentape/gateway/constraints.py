@@ -20,8 +20,8 @@ from typing import Any
 
 from tokentape.core.reply import ToolFormat
 from tokentape.engines.base import Constraint
-from tokentape.engines.gbnf import MAX_GRAMMAR_ALTERNATIVES, schema_grammar
 from tokentape.errors import InvalidRequest
+from tokentape.formats.gbnf import MAX_GRAMMAR_ALTERNATIVES, schema_grammar
 
 __all__ = ["output_constraint"]
 
@@ -77,7 +77,7 @@ def _call_schema(tool: Mapping[str, Any], arguments_key: str) -> dict[str, Any]:
 
 
 def _gbnf(schemas: Mapping[str, Mapping[str, Any]]) -> str:
-    """The tool schemas as GBNF rules (`engines.gbnf`), each entered by the rule it is keyed by."""
+    """The tool schemas as GBNF rules (`formats.gbnf`), each entered by the rule it is keyed by."""
     try:
         return schema_grammar(schemas)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:

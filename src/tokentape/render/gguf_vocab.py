@@ -21,7 +21,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from tokentape.engines.gguf_files import GGUF_MAGIC, read_metadata_values
+from tokentape.formats.gguf import GGUF_MAGIC, read_metadata_values
 
 __all__ = ["read_metadata", "fast_tokenizer", "PROBES"]
 

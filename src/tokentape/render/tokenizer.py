@@ -55,7 +55,7 @@ class GGUFTokenizer:
     otherwise, and for text `tokenizers` cannot take (lone surrogates)."""
 
     def __init__(self, model_path: Path) -> None:
-        from tokentape.engines.native import llama_cpp as load
+        from tokentape.native import llama_cpp as load
 
         llama_cpp = load()
         self._path = model_path
