@@ -27,7 +27,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
 from tokentape.server.app import create_app
-from tokentape.server.dialects import responses
+from tokentape.server.dialects import responses_input, responses_output, responses_tools
 
 BASE_PROMPT = "You are a coding agent running in the Codex CLI, a terminal-based coding assistant."
 SKILLS = "<skills_instructions>\n## Skills\nA skill is a set of local instructions.\n</skills_instructions>"
@@ -122,7 +122,7 @@ async def _streamed(sdk: openai.AsyncOpenAI, **fields: Any) -> Any:
     stream = await sdk.responses.create(stream=True, **fields)
     final = None
     async for event in stream:
-        responses.check_event(event.model_dump(exclude_none=True))
+        responses_output.check_event(event.model_dump(exclude_none=True))
         if event.type == "response.completed":
             final = event.response
     assert final is not None
@@ -164,7 +164,7 @@ async def test_a_codex_session_runs_and_every_instruction_reaches_the_model(
     assert reasoning.type == "reasoning" and call.type == "function_call"
     assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1")
     assert json.loads(call.arguments) == {"message": "list the files"}
-    assert reasoning.encrypted_content == responses.carried_reasoning("A helper should do it.")
+    assert reasoning.encrypted_content == responses_input.carried_reasoning("A helper should do it.")
     assert [t.type for t in first.tools] == ["function", "namespace", "web_search"]
 
     # Codex resends the whole history (store: false): its reasoning item without `content`, the call
@@ -212,11 +212,11 @@ def test_resent_items_are_read_back_as_the_model_wrote_them() -> None:
     """A reasoning item this gateway wrote gives its text back from `encrypted_content` alone (Codex
     drops `content`); one another server encrypted falls back to its summary. A call echoed with its
     namespace, or without it where only one namespace has that name, gets its flat name back."""
-    table = responses.tool_table(TOOLS)
+    table = responses_tools.tool_table(TOOLS)
     call = {"type": "function_call", "call_id": "c1", "arguments": "{}"}
     items: list[Any] = [
         _message("user", TASK),
-        {"type": "reasoning", "summary": [], "encrypted_content": responses.carried_reasoning("Plan: ask.")},
+        {"type": "reasoning", "summary": [], "encrypted_content": responses_input.carried_reasoning("Plan: ask.")},
         {**call, "name": "spawn_agent", "namespace": "multi_agent_v1"},
         {**call, "call_id": "c2", "name": "wait_agent"},
         {**call, "call_id": "c3", "name": "exec_command"},
@@ -224,7 +224,7 @@ def test_resent_items_are_read_back_as_the_model_wrote_them() -> None:
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Sum."}], "encrypted_content": "gAAAA"},
         {"role": "assistant", "content": "Done."},
     ]
-    messages = responses.chat_messages(items, tools=table)
+    messages = responses_input.chat_messages(items, tools=table)
     turn = messages[1]
     assert turn["reasoning_content"] == "Plan: ask."
     names = [c["function"]["name"] for c in turn["tool_calls"]]

@@ -17,7 +17,8 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
-from tokentape.server.dialects import anthropic, responses
+from tokentape.server.dialects import anthropic, responses_history, responses_input, responses_output
+from tokentape.server.dialects.responses_input import LOGPROBS_INCLUDE
 
 
 def _events(body: str) -> list[tuple[str, dict[str, Any]]]:
@@ -36,7 +37,7 @@ async def test_responses_stream_events_are_the_sdks_types(http: httpx.AsyncClien
     assert response.status_code == 200
     events = _events(response.text)
     for name, event in events:
-        responses.check_event(event)
+        responses_output.check_event(event)
         assert name == event["type"]
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
     kinds = [e["type"] for _, e in events]
@@ -79,7 +80,7 @@ def test_output_items_echoed_back_merge_into_the_reply_they_came_from() -> None:
         {"type": "function_call_output", "call_id": "call_a", "output": "1"},
         {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "2"}]},
     ]
-    assert responses.chat_messages(items) == [
+    assert responses_input.chat_messages(items) == [
         {"role": "user", "content": "Weather?"},
         {
             "role": "assistant",
@@ -204,7 +205,7 @@ _RESPONSES = ("/v1/responses", {"input": "Hi", "max_output_tokens": 4})
 _MESSAGES = ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
 _SAME_CHECKS = [
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
-    ("top_logprobs too large", {"logprobs": True, "include": [responses.LOGPROBS_INCLUDE], "top_logprobs": 50}, None),
+    ("top_logprobs too large", {"logprobs": True, "include": [LOGPROBS_INCLUDE], "top_logprobs": 50}, None),
     ("unknown rewrite policy", {"rewrite_policy": "yolo"}, "rewrite_policy"),
     ("min_p too large", {"min_p": 2}, "min_p"),
     ("top_k not an integer", {"top_k": "x"}, "top_k"),
@@ -291,16 +292,16 @@ async def test_the_previous_response_is_looked_up_once_before_the_turn(
     must not turn that recorded turn into an error: its conversation is read once, before the turn."""
     first = await http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3})
     first_id = first.json()["id"]
-    real = responses.ResponseHistory.recall
+    real = responses_history.ResponseHistory.recall
     looked_up: list[str] = []
 
-    def recall_once(self: responses.ResponseHistory, response_id: str) -> Any:
+    def recall_once(self: responses_history.ResponseHistory, response_id: str) -> Any:
         looked_up.append(response_id)
         found = real(self, response_id)
         self._entries.pop(response_id)  # gone for any later look-up, as an eviction would do
         return found
 
-    monkeypatch.setattr(responses.ResponseHistory, "recall", recall_once)
+    monkeypatch.setattr(responses_history.ResponseHistory, "recall", recall_once)
     for stream in (False, True):
         body = {"model": MODEL_NAME, "input": "More", "max_output_tokens": 3, "previous_response_id": first_id}
         response = await http.post("/v1/responses", json={**body, "stream": stream})
@@ -326,7 +327,7 @@ async def test_no_sdk_validation_runs_on_a_recorded_turn(
         def model_validate(body: Any) -> Any:
             raise AssertionError("validated on the serving path")
 
-    monkeypatch.setattr(responses, "Response", Refuses)
+    monkeypatch.setattr(responses_output, "Response", Refuses)
     monkeypatch.setattr(anthropic, "AnthropicMessage", Refuses)
     if route == "responses":
         body: dict[str, Any] = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3}
@@ -336,11 +337,11 @@ async def test_no_sdk_validation_runs_on_a_recorded_turn(
     assert response.status_code == 200, response.text
     assert "event: error" not in response.text
     with pytest.raises(AssertionError):  # the tests' own checks do use the SDK's types
-        (responses.check_response if route == "responses" else anthropic.check_message)({})
+        (responses_output.check_response if route == "responses" else anthropic.check_message)({})
 
 
 async def test_whole_bodies_are_the_sdks_types(http: httpx.AsyncClient) -> None:
-    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4, "include": [responses.LOGPROBS_INCLUDE]}
-    responses.check_response((await http.post("/v1/responses", json=body)).json())
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4, "include": [LOGPROBS_INCLUDE]}
+    responses_output.check_response((await http.post("/v1/responses", json=body)).json())
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
     anthropic.check_message((await http.post("/v1/messages", json=body)).json())

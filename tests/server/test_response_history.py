@@ -9,7 +9,7 @@ import pytest
 
 from tokentape.core.held import HeldBytes, parsed_bytes
 from tokentape.errors import NotFound
-from tokentape.server.dialects.responses import ResponseHistory
+from tokentape.server.dialects.responses_history import ResponseHistory
 
 
 def _message(text: str) -> dict[str, str]:
