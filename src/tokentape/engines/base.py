@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from tokentape.core.images import DecodedImage, ImageRun
 from tokentape.core.sampling import SamplingParams
@@ -13,6 +13,7 @@ __all__ = [
     "Constraint",
     "ConstraintKind",
     "Engine",
+    "EnginePool",
     "LogprobMode",
     "PromptImage",
     "SampledToken",
@@ -143,3 +144,27 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class EnginePool(Protocol):
+    """An engine over members that come and go while it serves (the router over remote engines): what
+    the gateway asks of it beyond the `Engine` protocol, to start it and to manage its members."""
+
+    async def start(self) -> None:
+        """Learn each member's model and context length, then check their health in the background."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """As `Engine.describe`, with `engines`: each member described."""
+        ...
+
+    async def add_member(self, spec: str, admit: Callable[[], None]) -> None:
+        """Add the engine `spec` names (`KIND=URL[,OPTION]`) once it answers its health check; `admit()`
+        is called right before it is routed to, and what it raises refuses the engine."""
+        ...
+
+    def drain_member(self, url: str) -> Coroutine[Any, Any, None]:
+        """Place no new work on the member at `url` from now on (NotFound if there is none); the
+        coroutine returned forgets it once its requests finish."""
+        ...

@@ -16,12 +16,12 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from typing import Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, PromptImage, SampledToken, takes_images
-from tokentape.engines.remote import RemoteEngine
+from tokentape.engines.remote import RemoteEngine, make_engine
 from tokentape.errors import EngineFailure, EngineUnavailable, InvalidRequest, NotFound
 
 __all__ = ["Router"]
@@ -79,6 +79,25 @@ class Router:
             if engine.base_url == url.rstrip("/"):
                 return engine
         raise NotFound(f"no engine at {url}", param="url")
+
+    async def add_member(self, spec: str, admit: Callable[[], None]) -> None:
+        """Add the engine `spec` names once it answers its health check, unless `admit()` raises then."""
+        engine = make_engine(spec)
+        try:
+            await engine.discover()
+            await engine.check_health()
+            admit()
+            self.add(engine)
+        except BaseException:  # refused or unreachable: its connection pools go with it
+            await engine.close()
+            raise
+
+    def drain_member(self, url: str) -> Coroutine[Any, Any, None]:
+        """Place no new work on the engine at `url` from now on; the coroutine returned forgets it once
+        its requests finish."""
+        engine = self.find(url)
+        engine.draining = True
+        return self.remove_when_drained(engine)
 
     async def remove_when_drained(self, engine: RemoteEngine) -> None:
         """Stop placing work on `engine`, let its requests finish, then forget it."""

@@ -27,9 +27,7 @@ from tokentape.core.staleness import GroupAdmission, Staleness, first_version, i
 from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.token_ids import FirstPromptIds
 from tokentape.core.versions import parse_version
-from tokentape.engines.base import Constraint, Engine, PromptImage, SampledToken, takes_images
-from tokentape.engines.remote import make_engine
-from tokentape.engines.router import Router
+from tokentape.engines.base import Constraint, Engine, EnginePool, PromptImage, SampledToken, takes_images
 from tokentape.errors import Conflict, ContextOverflow, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
@@ -113,7 +111,7 @@ class Gateway:
         if self._started:
             return
         self._started = True
-        if isinstance(self.engine, Router):
+        if isinstance(self.engine, EnginePool):
             await self.engine.start()
 
     async def aclose(self) -> None:
@@ -137,8 +135,8 @@ class Gateway:
         )
 
     # -- the engine pool -----------------------------------------------------------------------------
-    def _pool(self) -> Router:
-        if not isinstance(self.engine, Router):
+    def _pool(self) -> EnginePool:
+        if not isinstance(self.engine, EnginePool):
             raise InvalidRequest("this gateway runs the embedded engine; start it with --engine to manage engines")
         return self.engine
 
@@ -152,11 +150,8 @@ class Gateway:
         are the ones every engine started with: a new engine would serve those under a later version."""
         pool = self._pool()
         self._check_starting_weights()
-        engine = make_engine(spec)
-        await engine.discover()
-        await engine.check_health()
-        self._check_starting_weights()  # an update may have begun while the engine was asked
-        pool.add(engine)
+        # checked again once it answers: an update may have begun while the engine was asked
+        await pool.add_member(spec, self._check_starting_weights)
 
     def _check_starting_weights(self) -> None:
         if self.updates.running or self.gate.version != 0:  # 0: the weights every engine started with
@@ -170,10 +165,7 @@ class Gateway:
 
     def drain_engine(self, url: str) -> None:
         """Place no new work on the engine at `url` (from now on); forget it once its requests finish."""
-        pool = self._pool()
-        engine = pool.find(url)
-        engine.draining = True
-        task = asyncio.get_running_loop().create_task(pool.remove_when_drained(engine))
+        task = asyncio.get_running_loop().create_task(self._pool().drain_member(url))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
