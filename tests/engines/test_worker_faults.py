@@ -19,7 +19,8 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.engines import llamacpp as llamacpp_module
-from tokentape.engines.batching import Batcher, Generation
+from tokentape.engines.batching import Batcher
+from tokentape.engines.generation import Generation
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.gateway.generation import ENGINE_ATTEMPTS
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.reliability.test_grammar_limits import DEADLINE, _HeldMask
 from tokentape.core.sampling import SamplingParams
-from tokentape.engines import batching
+from tokentape.engines import batch_sampling
 from tokentape.engines.base import Constraint
 from tokentape.engines.grammar_pool import GRAMMAR_THREADS, THREAD_NAME, GrammarPool
 from tokentape.engines.llamacpp import LlamaCppEngine
@@ -72,7 +72,7 @@ def test_a_task_that_raises_frees_its_thread() -> None:
 async def test_a_flood_of_masked_generations_never_exceeds_the_pool(
     engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batching, "GRAMMAR_SECONDS", 2.0)
+    monkeypatch.setattr(batch_sampling, "GRAMMAR_SECONDS", 2.0)
     batcher = engine._batcher
     pool = batcher.grammars
     assert pool.size == GRAMMAR_THREADS
