@@ -21,6 +21,8 @@ __all__ = [
     "MAX_STOP_TOKEN_IDS",
     "MAX_TOP_LOGPROBS",
     "MAX_SEED",
+    "TOP_K_OFF",
+    "request_top_k",
 ]
 
 MAX_CHOICES = 16  # n > 16 multiplies one request into minutes of CPU generation
@@ -37,6 +39,12 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: 
 MAX_REPETITION_PENALTY = 2.0  # vLLM's repetition_penalty: (0, 2] here; 1 is off
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# top_k has one convention inside the gateway: an int, TOP_K_OFF (0) for no cut; a turn records it so.
+# It is converted at the edges only: a request's top_k by `request_top_k` (-1, 0 and no value are all
+# off, as in vLLM); an engine's by its adapter: -1 for off on vLLM's and SGLang's wire and in vLLM's
+# own SamplingParams under OpenRLHF (`engines.remote.wire.engine_top_k`), 0 in the embedded sampler.
+# A top_k at or past the size of the vocabulary cuts nothing.
+TOP_K_OFF = 0
 MAX_STOP_TOKEN_IDS = 1024  # more than any vocabulary's end-of-turn tokens; bounds what one request holds
 
 
@@ -47,7 +55,7 @@ class SamplingParams:
     max_tokens: int | None = None  # None: until a stop or the end of the context
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
+    top_k: int = TOP_K_OFF  # TOP_K_OFF (0): no top-k cut
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -158,3 +166,13 @@ class SamplingParams:
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if not math.isfinite(value) or not low <= value <= high:
         raise InvalidRequest(f"{name} must be between {low:g} and {high:g}", param=name)
+
+
+def request_top_k(value: int | None) -> int:
+    """A request's `top_k` in the gateway's convention: -1 (vLLM's off), 0 and no value are
+    `TOP_K_OFF`; below -1 is refused, as vLLM refuses it."""
+    if value is None or value == -1:
+        return TOP_K_OFF
+    if value < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (off) or positive, got {value}", param="top_k")
+    return value

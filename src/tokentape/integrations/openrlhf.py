@@ -45,6 +45,7 @@ import openai
 from tokentape.client import InProcessGateway
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken, vllm_logprob_mode
+from tokentape.engines.remote.wire import engine_top_k
 from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.sessions import MemoryLimits, check_policy
 from tokentape.integrations.inprocess import in_process_gateway
@@ -113,7 +114,7 @@ class VLLMEngine:
         vllm.n = 1
         vllm.temperature = params.temperature
         vllm.top_p = params.top_p
-        vllm.top_k = params.top_k  # 0: no top-k cut, as in vLLM
+        vllm.top_k = engine_top_k(params.top_k)  # -1 for no cut, what every vLLM takes as off
         vllm.min_p = params.min_p
         vllm.seed = seed
         vllm.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -12,12 +12,13 @@ from typing import Any
 import numpy
 import orjson
 
-from tokentape.core.sampling import SamplingParams
+from tokentape.core.sampling import TOP_K_OFF, SamplingParams
 from tokentape.core.token_ids import FirstPromptIds, PromptIds
 from tokentape.errors import EngineProtocolError
 
 __all__ = [
     "best_first",
+    "engine_top_k",
     "json_object",
     "listed",
     "logprob",
@@ -122,6 +123,13 @@ def wire_ids(tokens: Sequence[int], *, to_engine: bool = False) -> Any:
     return list(tokens)
 
 
+def engine_top_k(top_k: int) -> int:
+    """`SamplingParams.top_k` as vLLM and SGLang take it: -1 for no cut (`TOP_K_OFF`), the one value
+    every version of both reads as off; a cut as it is, one past the vocabulary too (each engine keeps
+    every token then, as the embedded sampler does)."""
+    return -1 if top_k == TOP_K_OFF else top_k
+
+
 def sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int, *, length_key: str) -> dict[str, Any]:
     """The sampling fields vLLM and SGLang name alike; each adapter adds its own dialect's."""
     room = context - len(prompt)
@@ -129,7 +137,7 @@ def sampling_fields(prompt: Sequence[int], params: SamplingParams, context: int,
         length_key: room if params.max_tokens is None else min(params.max_tokens, room),
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "top_k": params.top_k or -1,  # -1 is "off" on both
+        "top_k": engine_top_k(params.top_k),
         "min_p": params.min_p,
         "stop_token_ids": list(params.stop_token_ids),
         "skip_special_tokens": False,  # stop tokens were sampled: their text stays

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from tokentape.core.images import DecodedImage
 from tokentape.core.messages import Message
 from tokentape.core.reply import ToolFormat
-from tokentape.core.sampling import SamplingParams
+from tokentape.core.sampling import SamplingParams, request_top_k
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.calls import ChatCall
 from tokentape.gateway.constraints import output_constraint
@@ -144,13 +144,11 @@ def sampling_from_wire(
     stop = fields.get("stop") if stop is None else stop
     _refuse_unapplied(req, names)
     try:
-        if top_k is not None and top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 or 0 (off) or positive, got {top_k}", param="top_k")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if temperature is None else float(temperature),
             top_p=1.0 if top_p is None else float(top_p),
-            top_k=0 if top_k is None or top_k == -1 else top_k,
+            top_k=request_top_k(top_k),
             min_p=0.0 if min_p is None else float(min_p),
             seed=fields.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
