@@ -235,7 +235,7 @@ def concurrent_sessions(args: argparse.Namespace) -> None:
 async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
     from tokentape.client import InProcessGateway
     from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-    from tokentape.runtime import RuntimeSettings, build_gateway
+    from tokentape.served import ServeSpec
     from tokentape.train.weights import f32_gguf
 
     path = f32_gguf(embedded_model_path())
@@ -243,8 +243,7 @@ async def _in_process(counts: list[int], args: argparse.Namespace) -> None:
     engine = LlamaCppEngine(
         LlamaCppSettings(model_path=path, context_length=2048, threads=args.threads, kv_cache_f32=True, **options)
     )
-    core, name = build_gateway(RuntimeSettings(model_path=path, context_length=2048), engine=engine)
-    gateway = InProcessGateway(gateway=core, model=name or "policy")
+    gateway = InProcessGateway(ServeSpec(model=path, context_length=2048), engine=engine)
     try:
         await sessions_in_process(1, args, gateway, engine, tag=0)  # warm up
         for count in counts:

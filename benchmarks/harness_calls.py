@@ -64,8 +64,8 @@ from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import ChatCall, Gateway
 from tokentape.render.renderer import Renderer
-from tokentape.runtime import assemble_gateway, hf_renderer
-from tokentape.server.app import create_app
+from tokentape.runtime import hf_renderer
+from tokentape.served import ServeSpec, build_served
 from tokentape.server.heap import settle_for_serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -672,8 +672,9 @@ async def measure(
     call the dialect made at each measured turn, the prompt the engine was sent and the request's
     bytes."""
     engine = AnsweringEngine(renderer)
-    gateway: Gateway = assemble_gateway(engine, renderer)
-    app = create_app(gateway, model_id=MODEL)
+    served = build_served(ServeSpec(served_model_name=MODEL), engine=engine, renderer=renderer)
+    gateway: Gateway = served.gateway
+    app = served.app
     await gateway.start()
     noted: dict[tuple[str, int], tuple[ChatCall, list[int], int]] = {}
     made: list[ChatCall] = []

@@ -33,11 +33,10 @@ from tests.support.models import gguf_tokenizer_dir
 
 from tokentape.client import InProcessGateway
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.integrations.atropos import TokentapeServerManager
 from tokentape.integrations.openrlhf import agent_executor
 from tokentape.runtime import embedded_model_path, gguf_renderer
+from tokentape.served import ServeSpec
 
 REPLY = [504, 37576, 42, 29902, 593, 376, 731, 330]  # a short answer, then the turn's close
 
@@ -93,8 +92,8 @@ async def openrlhf(length: int, calls: int, tokenizer_dir: Path, close: int) -> 
 
 
 async def atropos(length: int, calls: int, close: int, tokenizer: Any) -> dict[str, float]:
-    gateway = Gateway(ScriptedEngine(REPLY, close), gguf_renderer(embedded_model_path()), SessionRegistry())
-    local = InProcessGateway(gateway=gateway, model="m")
+    spec = ServeSpec(served_model_name="m")
+    local = InProcessGateway(spec, engine=ScriptedEngine(REPLY, close), renderer=gguf_renderer(embedded_model_path()))
     managed_times, plain_times, old_times = [], [], []
     async with TokentapeServerManager(local).managed_server(tokenizer=tokenizer) as managed:
         plain = "plain"

@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.ray.conftest import free_port_block
 from tests.support.fake_engines import FakeState, serving, vllm_app
 
-from tokentape.ray import ClusterSettings, connect, start_cluster
-from tokentape.runtime import RuntimeSettings
+from tokentape.ray import RayOptions, ServeSpec, connect, start_cluster
 
 MODEL = "smollm2-135m-instruct"
 
@@ -76,13 +75,13 @@ def _sessions(front_or_gateway: str, prefix: str, count: int) -> list[str]:
 
 
 def scale(engine_url: str, gateways: int, sessions: int, turns: int, store_dir: str) -> dict[str, Any]:
-    first = free_port_block(gateways)
+    first = free_port_block(gateways + 1)
     cluster = start_cluster(
-        ClusterSettings(
-            gateways=gateways,
-            first_port=first,
-            store_dir=store_dir,
-            runtime=RuntimeSettings(engines=(f"vllm={engine_url}",), served_model_name=MODEL),
+        ServeSpec(
+            engines=(f"vllm={engine_url}",),
+            served_model_name=MODEL,
+            port=first,  # gateway i serves on first + 1 + i
+            ray=RayOptions(gateways=gateways, store_dir=store_dir),
         )
     )
     try:
@@ -108,14 +107,13 @@ def scale(engine_url: str, gateways: int, sessions: int, turns: int, store_dir: 
 
 def engine_death(store_dir: str, turns_after: int = 3) -> dict[str, Any]:
     """Two embedded engine actors, four agents; one engine actor is SIGKILLed mid-traffic."""
-    first = free_port_block(2)
+    first = free_port_block(3)
     cluster = start_cluster(
-        ClusterSettings(
-            gateways=2,
-            first_port=first,
-            store_dir=store_dir,
-            runtime=RuntimeSettings(context_length=2048, threads=1),
-            engine_actors=2,
+        ServeSpec(
+            context_length=2048,
+            threads=1,
+            port=first,  # gateway i serves on first + 1 + i
+            ray=RayOptions(gateways=2, store_dir=store_dir, engine_actors=2),
         )
     )
     failures = 0

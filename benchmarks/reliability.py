@@ -42,12 +42,10 @@ async def key_walk() -> dict[str, Any]:
     trainer key (tests/auth/walk.py), in-process on the embedded model."""
     import httpx
 
-    from tokentape.runtime import RuntimeSettings, build_gateway
-    from tokentape.server.app import create_app
-    from tokentape.server.middleware import GuardSettings
+    from tokentape.served import ServeSpec, build_served
 
-    gateway, name = build_gateway(RuntimeSettings(context_length=1024))
-    app = create_app(gateway, model_id=name, guard=GuardSettings(api_keys=[walk.TRAINER]))
+    served = build_served(ServeSpec(context_length=1024, api_keys=(walk.TRAINER,)))
+    gateway, app = served.gateway, served.app
     trainer = {"authorization": f"Bearer {walk.TRAINER}"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         keys = {}

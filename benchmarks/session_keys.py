@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.auth.walk import MODEL, TRAINER, walk  # noqa: E402
 
-from tokentape.runtime import RuntimeSettings, build_gateway  # noqa: E402
-from tokentape.server.app import create_app  # noqa: E402
+from tokentape.served import ServeSpec, build_served  # noqa: E402
 from tokentape.server.middleware import Guard, GuardSettings  # noqa: E402
 
 HAS_KEYS = importlib.util.find_spec("tokentape.server.auth") is not None
@@ -41,8 +40,8 @@ BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"
 
 
 async def the_walk() -> dict[str, Any]:
-    gateway, name = build_gateway(RuntimeSettings(context_length=1024))
-    app = create_app(gateway, model_id=name, guard=GuardSettings(api_keys=[TRAINER]))
+    served = build_served(ServeSpec(context_length=1024, api_keys=(TRAINER,)))
+    gateway, app = served.gateway, served.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         keys: dict[str, str] = {}
         for session in ("ep-a", "ep-b", "ep-t"):
@@ -116,7 +115,7 @@ def _iqr(values: list[float]) -> float:
 
 
 async def costs(rounds: int) -> dict[str, Any]:
-    gateway, _ = build_gateway(RuntimeSettings(context_length=1024))
+    gateway = build_served(ServeSpec(context_length=1024)).gateway
     figures: dict[str, Any] = {}
     open_guard = Guard(None, GuardSettings())
     keyed_settings = GuardSettings(api_keys=[TRAINER])

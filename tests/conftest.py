@@ -20,12 +20,11 @@ import pytest
 from tokentape.engines import sampling_salt
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
 from tokentape.runtime import embedded_model_path
-from tokentape.server.app import create_app
+from tokentape.served import Served, ServeSpec, build_served
 
 MODEL_NAME = "smollm2-135m-instruct"
 OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
@@ -98,15 +97,21 @@ def engine(model_path: Path) -> Iterator[LlamaCppEngine]:
 
 
 @pytest.fixture
-def gateway(engine: LlamaCppEngine, renderer: Renderer) -> Gateway:
-    """A gateway with no sessions yet, on the shared model."""
-    return Gateway(engine, renderer, SessionRegistry())
+def built(engine: LlamaCppEngine, renderer: Renderer) -> Served:
+    """A gateway with no sessions yet, on the shared model, and its app: built as `tokentape serve`
+    builds them, from a `ServeSpec`."""
+    return build_served(ServeSpec(served_model_name=MODEL_NAME), engine=engine, renderer=renderer)
 
 
 @pytest.fixture
-async def http(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+def gateway(built: Served) -> Gateway:
+    return built.gateway
+
+
+@pytest.fixture
+async def http(built: Served) -> AsyncIterator[httpx.AsyncClient]:
     """The real ASGI app, called in-process."""
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokentape") as client:
         yield client
 

@@ -30,7 +30,8 @@ import trl
 
 from tokentape.client import InProcessGateway
 from tokentape.integrations.trl import PushLora, rollout_func, tape_reward
-from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path
+from tokentape.runtime import embedded_model_path
+from tokentape.served import ServeSpec
 from tokentape.train.weights import LORA_TARGETS, f32_gguf, load_model
 
 MAX_TOKENS = 24  # per reply; --max-tokens changes it
@@ -67,8 +68,7 @@ def main() -> None:
 
     # the gateway, in this process, on an F32 copy of the embedded model
     f32 = f32_gguf(embedded_model_path())
-    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=512))
-    gateway = InProcessGateway(gateway=core, model=name)
+    gateway = InProcessGateway(ServeSpec(model=f32, context_length=512))
 
     # the trainer: the same weights, as a transformers model, with a LoRA TRL trains
     model = load_model(f32)

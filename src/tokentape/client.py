@@ -12,15 +12,18 @@ token fields included (`prompt_token_ids`, `choices[i].token_ids`, `logprobs.con
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import openai
 
 from tokentape.gateway.service import Gateway
-from tokentape.runtime import RuntimeSettings, build_gateway
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
+from tokentape.served import Served, ServeSpec, build_served
+
+if TYPE_CHECKING:
+    from tokentape.engines.base import Engine
+    from tokentape.render.renderer import Renderer
+    from tokentape.store.base import TrajectoryStore
 
 __all__ = ["GatewayClient", "InProcessGateway", "BASE"]
 
@@ -165,32 +168,32 @@ class _StartingTransport(httpx2.AsyncBaseTransport):
 
 
 class InProcessGateway(GatewayClient):
-    """A gateway and its app in this process: no port, no server. It starts with the first request;
-    `aclose()` closes a gateway it built (a gateway passed in stays its owner's to close)."""
+    """A gateway and its app in this process: no port, no server. It starts with the first request.
+
+    `InProcessGateway(spec)` builds the gateway `spec` describes (default: the embedded model, a
+    `:memory:` store, no keys); `engine`, `renderer` and `store` replace what the spec describes (a
+    trainer's own engine). With trainer keys (`spec.api_keys`), this object's own calls carry the first.
+    `aclose()` closes the gateway, and the engine with it, unless the engine was given (it stays its
+    owner's to close). `InProcessGateway(served=...)` calls a gateway built elsewhere, left to its owner."""
 
     def __init__(
         self,
-        settings: RuntimeSettings | None = None,
+        spec: ServeSpec | None = None,
         *,
-        gateway: Gateway | None = None,
-        model: str | None = None,
-        match_prefix: bool | None = None,
-        guard: GuardSettings | None = None,
+        engine: Engine | None = None,
+        renderer: Renderer | None = None,
+        store: TrajectoryStore | None = None,
+        served: Served | None = None,
     ) -> None:
-        """`match_prefix`: calls that name no session continue the one live session their history
-        extends (as `tokentape serve --match-prefix`); None keeps the setting of `settings`/`gateway`.
-        `guard`: keys and limits as `tokentape serve` takes them; with trainer keys, `api_key` is the
-        first of them (this object's own calls)."""
-        self._owns_gateway = gateway is None
-        if gateway is None:
-            gateway, model = build_gateway(settings or RuntimeSettings())
-        if match_prefix is not None:
-            gateway.sessions.match_prefix = match_prefix
-        self.gateway = gateway
-        self.app = create_app(gateway, model_id=model or gateway.engine.model_id, guard=guard)
-        http = httpx2.AsyncClient(transport=_StartingTransport(self.app, gateway), base_url=BASE, timeout=None)
-        trainer = guard.trainer_key if guard is not None else None
-        super().__init__(http, model or gateway.engine.model_id, trainer)
+        self._owns_gateway = served is None and engine is None
+        if served is None:
+            served = build_served(spec or ServeSpec(), engine=engine, renderer=renderer, store=store)
+        self.served = served
+        self.gateway = served.gateway
+        self.app = served.app
+        model = served.model_id or served.gateway.engine.model_id
+        http = httpx2.AsyncClient(transport=_StartingTransport(self.app, self.gateway), base_url=BASE, timeout=None)
+        super().__init__(http, model, served.spec.trainer_key)
 
     async def aclose(self) -> None:
         await super().aclose()

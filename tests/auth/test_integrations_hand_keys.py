@@ -11,17 +11,15 @@ import openai
 from tests.auth.walk import MODEL, TRAINER
 from tokentape.client import InProcessGateway
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.integrations.atropos import TokentapeServerManager
 from tokentape.render.renderer import Renderer
 from tokentape.rollout import Episode, run_rollout
-from tokentape.server.middleware import GuardSettings
+from tokentape.served import ServeSpec
 
 
 def keyed(engine: LlamaCppEngine, renderer: Renderer) -> InProcessGateway:
-    gateway = Gateway(engine, renderer, SessionRegistry())
-    return InProcessGateway(gateway=gateway, model=MODEL, guard=GuardSettings(api_keys=[TRAINER]))
+    spec = ServeSpec(served_model_name=MODEL, api_keys=(TRAINER,))
+    return InProcessGateway(spec, engine=engine, renderer=renderer)
 
 
 async def test_rollout_agents_hold_their_session_key_and_cannot_pay_themselves(

@@ -18,12 +18,9 @@ from tests.auth.walk import MODEL, TRAINER, spoiled
 from tests.support.gates import GatedEngine
 from tokentape.client import InProcessGateway
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.launcher import running_server
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
+from tokentape.served import ServeSpec, build_served
 
 T = {"authorization": f"Bearer {TRAINER}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -65,8 +62,8 @@ async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_
 
 async def test_a_cap_on_one_keys_requests_in_flight(engine: LlamaCppEngine, renderer: Renderer) -> None:
     gated = GatedEngine(engine)
-    gateway = Gateway(gated, renderer, SessionRegistry())
-    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER], max_in_flight_per_key=1))
+    spec = ServeSpec(served_model_name=MODEL, api_keys=(TRAINER,), max_in_flight_per_key=1)
+    app = build_served(spec, engine=gated, renderer=renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         one = (await http.post("/sessions", json={"session_id": "capped"}, headers=T)).json()["api_key"]
         two = (await http.post("/sessions", json={"session_id": "free"}, headers=T)).json()["api_key"]
@@ -96,8 +93,8 @@ async def test_a_cap_on_one_keys_requests_in_flight(engine: LlamaCppEngine, rend
 async def test_the_in_process_gateway_hands_agents_their_session_key(
     engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
-    gateway = Gateway(engine, renderer, SessionRegistry())
-    client = InProcessGateway(gateway=gateway, model=MODEL, guard=GuardSettings(api_keys=[TRAINER]))
+    spec = ServeSpec(served_model_name=MODEL, api_keys=(TRAINER,))
+    client = InProcessGateway(spec, engine=engine, renderer=renderer)
     try:
         await client.create_session("handed", group_id="g")
         agent = client.client("handed")

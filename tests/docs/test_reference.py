@@ -21,9 +21,8 @@ from tokentape.client import InProcessGateway
 from tokentape.core.export import EXPORT_SCHEMA_VERSION
 from tokentape.core.formats import FORMATS
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import embedded_model_path, gguf_renderer
+from tokentape.served import ServeSpec, build_served
 from tokentape.server import app as app_module
 from tokentape.server.dialects.openai_chat import OpenAIChat
 from tokentape.server.dialects.registry import DIALECTS, PATHS
@@ -125,7 +124,7 @@ def test_a_new_dialect_shows_up_without_a_hand_edit(hook: ModuleType, monkeypatc
 
     monkeypatch.setattr(app_module, "DIALECTS", (*DIALECTS, ChatV2))
     renderer = gguf_renderer(embedded_model_path())
-    app = app_module.create_app(Gateway(ScriptedEngine([], 0), renderer, SessionRegistry()), model_id="m")
+    app = build_served(ServeSpec(served_model_name="m"), engine=ScriptedEngine([], 0), renderer=renderer).app
 
     @app.get("/admin/snapshot")
     async def snapshot() -> dict[str, str]:
@@ -185,7 +184,7 @@ def test_a_route_or_dialect_without_a_docstring_stops_the_build(hook: ModuleType
 
     monkeypatch.setattr(app_module, "DIALECTS", (*DIALECTS, Bare))
     renderer = gguf_renderer(embedded_model_path())
-    app = app_module.create_app(Gateway(ScriptedEngine([], 0), renderer, SessionRegistry()), model_id="m")
+    app = build_served(ServeSpec(served_model_name="m"), engine=ScriptedEngine([], 0), renderer=renderer).app
 
     @app.get("/admin/quiet")
     async def quiet() -> dict[str, str]:
@@ -209,7 +208,7 @@ async def test_the_export_page_lists_what_a_real_export_holds(hook: ModuleType) 
     renderer = gguf_renderer(embedded_model_path())
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine(renderer.tokenizer.encode("Four."), end)
-    gateway = InProcessGateway(gateway=Gateway(engine, renderer, SessionRegistry()), model="m")
+    gateway = InProcessGateway(ServeSpec(served_model_name="m"), engine=engine, renderer=renderer)
     await gateway.create_session("s", group_id="g")
     agent = gateway.client("s")
     messages: list[Any] = [{"role": "user", "content": "2+2?"}]

@@ -21,7 +21,7 @@ from tests.support.browser import chromium
 from tests.support.scenarios import five_turn_scenario
 from tokentape.client import InProcessGateway
 from tokentape.launcher import RunningServer, running_server
-from tokentape.runtime import RuntimeSettings
+from tokentape.served import ServeSpec
 
 pytestmark = pytest.mark.e2e
 
@@ -194,7 +194,7 @@ def _shape(value: Any) -> Any:
 
 
 async def test_the_in_process_client_answers_exactly_like_the_server(server: RunningServer, model: str) -> None:
-    local = InProcessGateway(RuntimeSettings(context_length=2048))
+    local = InProcessGateway(ServeSpec(context_length=2048))
     try:
         await five_turn_scenario(local.client("five-local"), local.model, local.http, "five-local")
         requests: list[dict[str, Any]] = [
@@ -228,7 +228,7 @@ async def test_verifiers_reads_token_data_from_responses(model: str) -> None:
     """The access pattern of verifiers' parse_response_tokens (chat: top-level prompt_token_ids,
     choices[0].token_ids, choices[0].logprobs.content[j].logprob; completions: the same on the choice,
     with logprobs.token_logprobs), applied to what the in-process client returns."""
-    local = InProcessGateway(RuntimeSettings(context_length=2048))
+    local = InProcessGateway(ServeSpec(context_length=2048))
     try:
         client = local.client("vf")
         chat = await client.chat.completions.create(

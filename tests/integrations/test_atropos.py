@@ -18,10 +18,9 @@ from atroposlib.envs.server_handling.server_baseline import ServerBaseline
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.integrations.atropos import TokentapeServerManager, scored_data_group
 from tokentape.render.renderer import Renderer
+from tokentape.served import Served, ServeSpec
 
 GROUP = "colours-0"
 
@@ -74,7 +73,7 @@ def _logprobs(choice: Any) -> list[float]:
 
 
 async def test_an_atropos_environment_collects_its_group_through_tokentape(
-    gateway: Gateway, hf_dir: Path, tmp_path: Path
+    built: Served, hf_dir: Path, tmp_path: Path
 ) -> None:
     saved = tmp_path / "groups.jsonl"
     config = BaseEnvConfig(
@@ -85,7 +84,7 @@ async def test_an_atropos_environment_collects_its_group_through_tokentape(
         ensure_scores_are_not_same=False,
     )
     env = TwoTurnEnv(config, ServerBaseline(), testing=True)
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    local = InProcessGateway(served=built)
     env.server = TokentapeServerManager(local, group_id=GROUP)
     env.max_token_len = 1024
     try:
@@ -158,8 +157,7 @@ async def test_atroposlibs_own_managed_server_doubles_the_close_where_tokentape_
     engine.push(words(" ".join(["Blue, like the sky and the deep sea"] * 4)))  # choice 1: cut by max_tokens
     engine.push([*words("Green."), close])
     engine.push([*words("Yellow."), close])
-    gateway = Gateway(engine, renderer, SessionRegistry())
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    local = InProcessGateway(ServeSpec(served_model_name=MODEL_NAME), engine=engine, renderer=renderer)
     try:
         async with TokentapeServerManager(local).managed_server(tokenizer=hf) as ours:
             replies = await two_turns(ours, item, 2)

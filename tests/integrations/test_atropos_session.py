@@ -10,10 +10,9 @@ from typing import Any
 import httpx2
 import transformers
 
-from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
-from tokentape.gateway.service import Gateway
 from tokentape.integrations.atropos import TokentapeServerManager
+from tokentape.served import Served
 
 FILLER = "one two three four five six seven eight nine ten " * 90
 
@@ -28,9 +27,9 @@ def _count_requests(local: InProcessGateway) -> list[str]:
     return paths
 
 
-async def test_nodes_come_from_the_replies_and_equal_the_export(gateway: Gateway, hf_dir: Path) -> None:
+async def test_nodes_come_from_the_replies_and_equal_the_export(built: Served, hf_dir: Path) -> None:
     hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    local = InProcessGateway(served=built)
     paths = _count_requests(local)
     sampling: dict[str, Any] = {"max_tokens": 12, "temperature": 1.0}
     try:
@@ -62,8 +61,8 @@ async def test_nodes_come_from_the_replies_and_equal_the_export(gateway: Gateway
         await local.aclose()
 
 
-async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: Gateway) -> None:
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Served) -> None:
+    local = InProcessGateway(served=built)
     try:
         # no tokenizer given: full_text is the gateway's, detokenized a call's new tokens at a time
         async with TokentapeServerManager(local).managed_server() as managed:
@@ -80,7 +79,7 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
             assert replies[0].choices[0].finish_reason == "length"  # clipped to the room left
             assert [r.choices[0].message.content for r in replies[1:]] == ["", "", ""]
             (node,) = managed.get_state()["nodes"]
-            assert node.metadata["status"] == "context_full" and len(node.tokens) == gateway.engine.context_length
+            assert node.metadata["status"] == "context_full" and len(node.tokens) == built.gateway.engine.context_length
             whole = await local.detokenize(node.tokens)
             assert node.full_text == whole
             await managed.set_scores([0.0])
@@ -90,8 +89,8 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(gateway: G
         await local.aclose()
 
 
-async def test_an_episode_whose_first_request_does_not_fit_has_no_node_and_its_status(gateway: Gateway) -> None:
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+async def test_an_episode_whose_first_request_does_not_fit_has_no_node_and_its_status(built: Served) -> None:
+    local = InProcessGateway(served=built)
     try:
         async with TokentapeServerManager(local).managed_server() as managed:
             messages = [{"role": "user", "content": FILLER * 2}]  # past the context alone

@@ -11,6 +11,7 @@ from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
 from tokentape.gateway.service import Gateway
 from tokentape.rollout import context_overflow
+from tokentape.served import Served
 
 FILLER = "one two three four five six seven eight nine ten " * 96  # about a thousand tokens
 
@@ -24,8 +25,10 @@ def _request(room_wanted: int) -> dict[str, object]:
     }
 
 
-async def test_max_tokens_past_the_context_is_refused_by_default_and_clipped_on_request(gateway: Gateway) -> None:
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+async def test_max_tokens_past_the_context_is_refused_by_default_and_clipped_on_request(
+    gateway: Gateway, built: Served
+) -> None:
+    local = InProcessGateway(served=built)
     context = gateway.engine.context_length
     try:
         await local.create_session("refused")

@@ -26,10 +26,9 @@ import trl  # noqa: E402
 from tests.conftest import MODEL_NAME  # noqa: E402
 from tokentape.client import InProcessGateway  # noqa: E402
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings  # noqa: E402
-from tokentape.gateway.service import Gateway  # noqa: E402
 from tokentape.integrations.trl import PushLora, _loop, rollout_func, tape_reward  # noqa: E402
-from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path  # noqa: E402
-from tokentape.server.middleware import GuardSettings  # noqa: E402
+from tokentape.runtime import embedded_model_path  # noqa: E402
+from tokentape.served import Served, ServeSpec  # noqa: E402
 from tokentape.train.loss import build_batch, samples_from_export, token_logprobs  # noqa: E402
 from tokentape.train.weights import LORA_TARGETS, f32_gguf, load_model  # noqa: E402
 
@@ -54,9 +53,8 @@ async def two_turns(client: openai.AsyncOpenAI, prompt: list[dict[str, str]]) ->
 def test_one_grpo_trainer_step_learns_from_the_tape(tmp_path: Path, hf_dir: Path) -> None:
     f32 = f32_gguf(embedded_model_path())
     engine = LlamaCppEngine(LlamaCppSettings(model_path=f32, context_length=512, kv_cache_f32=True))
-    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=512), engine=engine)
-    keys = GuardSettings(["trl-trainer-key"], require_session_keys=True)
-    gateway = InProcessGateway(gateway=core, model=name, guard=keys)
+    spec = ServeSpec(model=f32, context_length=512, api_keys=("trl-trainer-key",), session_keys="required")
+    gateway = InProcessGateway(spec, engine=engine)
     seen: dict[str, Any] = {}
     rollout = rollout_func(two_turns, gateway)
 
@@ -140,13 +138,11 @@ def anthropic_agent(local: InProcessGateway) -> Any:
     return solve
 
 
-def test_an_episode_whose_first_request_does_not_fit_is_a_row_that_trains_nothing(
-    gateway: Gateway, hf_dir: Path
-) -> None:
+def test_an_episode_whose_first_request_does_not_fit_is_a_row_that_trains_nothing(built: Served, hf_dir: Path) -> None:
     """The anthropic SDK's overflow is recognised; the row is the prompt as rendered and a one-token
     completion under env_mask 0, beside an ordinary row, and its status says why."""
     hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    local = InProcessGateway(served=built)
     trainer = types.SimpleNamespace(eos_token_ids=[hf.eos_token_id])
     prompts = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": LONG}]]
     try:
@@ -155,7 +151,7 @@ def test_an_episode_whose_first_request_does_not_fit_is_a_row_that_trains_nothin
         assert out["tokentape_reward"] == [1.0, 0.0]
         rendered = hf.apply_chat_template(prompts[1], add_generation_prompt=True, tokenize=True)
         assert out["prompt_ids"][1] == list(getattr(rendered, "input_ids", rendered))
-        assert len(out["prompt_ids"][1]) > gateway.engine.context_length
+        assert len(out["prompt_ids"][1]) > built.gateway.engine.context_length
         assert (out["completion_ids"][1], out["env_mask"][1], out["logprobs"][1]) == ([hf.eos_token_id], [0], [0.0])
         assert 1 in out["env_mask"][0]  # the ordinary row trains on its sampled tokens
         assert set(out) == {"prompt_ids", "completion_ids", "env_mask", "logprobs"} | {
@@ -170,11 +166,11 @@ def test_an_episode_whose_first_request_does_not_fit_is_a_row_that_trains_nothin
 
 
 def test_a_refused_weight_push_warns_and_training_goes_on_until_it_keeps_failing(
-    gateway: Gateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    built: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import tokentape.train.weights as weights
 
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+    local = InProcessGateway(served=built)
     monkeypatch.setattr(weights, "write_lora_gguf", lambda model, path: tmp_path / "never-written.gguf")
     callback = PushLora(local, tmp_path / "adapters", max_failures=2)
     try:
@@ -194,8 +190,7 @@ def test_grpo_trainer_takes_a_step_whose_rows_did_not_fit(tmp_path: Path, hf_dir
     """A real optimizer step on rows whose first request overflowed: taken without error, nothing
     trained (no model token counted), the step's push made."""
     f32 = f32_gguf(embedded_model_path())
-    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=256))
-    gateway = InProcessGateway(gateway=core, model=name)
+    gateway = InProcessGateway(ServeSpec(model=f32, context_length=256))
     long = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 40}]
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"),

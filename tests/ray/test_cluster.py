@@ -47,19 +47,21 @@ class Front:
 
 @pytest.fixture(scope="module")
 def cluster(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from tokentape.ray import ClusterSettings, start_cluster
-    from tokentape.runtime import RuntimeSettings
+    from tokentape.ray import RayOptions, ServeSpec, start_cluster
 
     first = free_port_block(3)
     started = start_cluster(
-        ClusterSettings(
-            gateways=2,
-            first_port=first + 1,
-            store_dir=str(tmp_path_factory.mktemp("shards")),
-            runtime=RuntimeSettings(context_length=2048, threads=1),
-            trajectory_queue="test",
-            queue_capacity=64,
-            engine_actors=2,
+        ServeSpec(
+            context_length=2048,
+            threads=1,
+            port=first,  # gateway i serves on first + 1 + i
+            ray=RayOptions(
+                gateways=2,
+                store_dir=str(tmp_path_factory.mktemp("shards")),
+                trajectory_queue="test",
+                queue_capacity=64,
+                engine_actors=2,
+            ),
         )
     )
     front = Front(first)

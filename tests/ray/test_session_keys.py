@@ -23,20 +23,21 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour.
 
 @pytest.fixture(scope="module")
 def keyed(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from tokentape.ray import ClusterSettings, start_cluster
-    from tokentape.runtime import RuntimeSettings
-    from tokentape.server.middleware import GuardSettings
+    from tokentape.ray import RayOptions, ServeSpec, start_cluster
 
     first = free_port_block(3)
     started = start_cluster(
-        ClusterSettings(
-            gateways=2,
-            first_port=first + 1,
-            store_dir=str(tmp_path_factory.mktemp("keyed-shards")),
-            runtime=RuntimeSettings(context_length=1024, threads=1),
-            trajectory_queue="keyed",
-            engine_actors=1,
-            guard=GuardSettings(api_keys=[TRAINER]),
+        ServeSpec(
+            context_length=1024,
+            threads=1,
+            port=first,  # gateway i serves on first + 1 + i
+            api_keys=(TRAINER,),
+            ray=RayOptions(
+                gateways=2,
+                store_dir=str(tmp_path_factory.mktemp("keyed-shards")),
+                trajectory_queue="keyed",
+                engine_actors=1,
+            ),
         )
     )
     front = Front(first)

@@ -22,19 +22,17 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour.
 
 @pytest.fixture(scope="module")
 def weights_cluster(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tokentape.ray import ClusterSettings, start_cluster
-    from tokentape.runtime import RuntimeSettings
+    from tokentape.ray import RayOptions, ServeSpec, start_cluster
 
     first = free_port_block(3)
     started = start_cluster(
-        ClusterSettings(
-            gateways=2,
-            first_port=first + 1,
-            store_dir=str(tmp_path_factory.mktemp("weight-shards")),
-            runtime=RuntimeSettings(context_length=1024, threads=1),
-            engine_actors=1,
+        ServeSpec(
+            context_length=1024,
+            threads=1,
+            port=first,  # gateway i serves on first + 1 + i
             # as `serve --ray --max-staleness 1 --admit-per-version 2` passes them to every gateway
             staleness=Staleness(max_staleness=1, admit_per_version=2),
+            ray=RayOptions(gateways=2, store_dir=str(tmp_path_factory.mktemp("weight-shards")), engine_actors=1),
         )
     )
     try:

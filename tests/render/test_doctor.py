@@ -11,7 +11,8 @@ from tests.support.models import materialise
 from tokentape.cli import app
 from tokentape.errors import InvalidRequest
 from tokentape.render.doctor import Finding, audit
-from tokentape.runtime import RuntimeSettings, build_gateway, hf_renderer
+from tokentape.runtime import hf_renderer
+from tokentape.served import ServeSpec, build_served
 
 runner = CliRunner()
 
@@ -46,7 +47,7 @@ def test_doctor_reports_llama_date_header_and_trim(tmp_path: Path) -> None:
 
 def test_a_tokenizer_must_fit_the_engine(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="vocabulary"):
-        build_gateway(RuntimeSettings(tokenizer_dir=materialise("qwen3", tmp_path), context_length=512))
+        build_served(ServeSpec(tokenizer=materialise("qwen3", tmp_path), context_length=512))
 
 
 def _findings(family: str, tmp_path: Path) -> dict[str, Finding]:

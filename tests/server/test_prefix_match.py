@@ -10,14 +10,17 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
-from tokentape.gateway.service import Gateway
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.render.renderer import Renderer
+from tokentape.served import Served, ServeSpec, build_served
 
 HEADER = "x-tokentape-prefix-match"
 
 
 @pytest.fixture
-async def local(gateway: Gateway) -> AsyncIterator[InProcessGateway]:
-    client = InProcessGateway(gateway=gateway, model=MODEL_NAME, match_prefix=True)
+async def local(engine: LlamaCppEngine, renderer: Renderer) -> AsyncIterator[InProcessGateway]:
+    spec = ServeSpec(served_model_name=MODEL_NAME, match_prefix=True)
+    client = InProcessGateway(served=build_served(spec, engine=engine, renderer=renderer))
     yield client
     await client.aclose()
 
@@ -105,8 +108,8 @@ async def test_finished_sessions_are_not_continued(local: InProcessGateway) -> N
     assert header == "unmatched" and session != first
 
 
-async def test_without_the_option_every_unnamed_call_is_its_own_session(gateway: Gateway) -> None:
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+async def test_without_the_option_every_unnamed_call_is_its_own_session(built: Served) -> None:
+    local = InProcessGateway(served=built)
     try:
         messages = [{"role": "user", "content": "Name a tree."}]
         raw = await local.client().chat.completions.with_raw_response.create(

@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import httpx
@@ -173,12 +174,10 @@ def test_a_streamed_chunk_reaches_the_client_before_the_next_is_made() -> None:
 
 
 def test_serve_runs_uvicorn_with_the_write_combining_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tokentape.runtime as runtime
-    import tokentape.server.app as server_app
+    import tokentape.served as served
 
     given: dict[str, Any] = {}
-    monkeypatch.setattr(runtime, "build_gateway", lambda settings: (object(), "m"))
-    monkeypatch.setattr(server_app, "create_app", lambda *a, **k: None)
+    monkeypatch.setattr(served, "build_served", lambda spec, **_: SimpleNamespace(app=None, model_id="m"))
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: given.update(k))
     result = CliRunner().invoke(cli, ["serve", "--store", ":memory:"])
     assert result.exit_code == 0, result.output

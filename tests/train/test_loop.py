@@ -19,9 +19,8 @@ pytest.importorskip("peft")
 from tests.support.fake_engines import serving
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.rollout import Episode
-from tokentape.runtime import RuntimeSettings, build_gateway, embedded_model_path
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
+from tokentape.runtime import embedded_model_path
+from tokentape.served import ServeSpec, build_served
 from tokentape.train.loop import TrainConfig, Trainer, connect
 from tokentape.train.weights import f32_gguf
 
@@ -51,9 +50,8 @@ async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
 async def test_two_steps_engine_and_trainer_agree_before_and_after_an_update(tmp_path: Path, packed: bool) -> None:
     f32 = f32_gguf(embedded_model_path())
     engine = LlamaCppEngine(LlamaCppSettings(model_path=f32, context_length=1024, kv_cache_f32=True))
-    core, name = build_gateway(RuntimeSettings(model_path=f32, context_length=1024), engine=engine)
-    guard = GuardSettings([TRAINER_KEY], require_session_keys=True)
-    with serving(create_app(core, model_id=name, guard=guard, owns_gateway=True)) as url:
+    spec = ServeSpec(model=f32, context_length=1024, api_keys=(TRAINER_KEY,), session_keys="required")
+    with serving(build_served(spec, engine=engine, owns_gateway=True).app) as url:
         config = TrainConfig(
             steps=2,
             groups=1,

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
-from tokentape.gateway.service import Gateway
 from tokentape.rollout import load_agent, run_rollout
+from tokentape.served import Served
 
 
-async def test_the_trainers_sampling_settings_reach_every_turn_of_the_example_agent(gateway: Gateway) -> None:
-    local = InProcessGateway(gateway=gateway, model=MODEL_NAME)
+async def test_the_trainers_sampling_settings_reach_every_turn_of_the_example_agent(built: Served) -> None:
+    local = InProcessGateway(served=built)
     agent = load_agent("arithmetic", Path(__file__).parents[2] / "examples")
     sampling = {"temperature": 0.35, "top_p": 1.0}
     stats = await run_rollout(agent, local, episodes=1, concurrency=1, group_size=1, run_id="temp", sampling=sampling)

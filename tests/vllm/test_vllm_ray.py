@@ -28,20 +28,16 @@ pytestmark = [
 def cluster(vllm_server: VLLMServer, vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import ray
 
-    from tokentape.ray import ClusterSettings, connect, start_cluster
-    from tokentape.runtime import RuntimeSettings
+    from tokentape.ray import RayOptions, ServeSpec, connect, start_cluster
 
     connect("local", num_cpus=2)
     started = start_cluster(
-        ClusterSettings(
-            gateways=2,
-            first_port=free_port_block(2),
-            store_dir=str(tmp_path_factory.mktemp("shards")),
-            runtime=RuntimeSettings(
-                engines=(f"vllm={vllm_server.url},logprobs-mode=processed_logprobs",),
-                tokenizer_dir=vllm_model_dir,
-                served_model_name=MODEL,
-            ),
+        ServeSpec(
+            engines=(f"vllm={vllm_server.url},logprobs-mode=processed_logprobs",),
+            tokenizer=vllm_model_dir,
+            served_model_name=MODEL,
+            port=free_port_block(3),  # gateway i serves on port + 1 + i
+            ray=RayOptions(gateways=2, store_dir=str(tmp_path_factory.mktemp("shards"))),
         )
     )
     try:

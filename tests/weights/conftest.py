@@ -12,9 +12,8 @@ import pytest
 from tests.support.lora import write_lora
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
+from tokentape.served import Served, ServeSpec, build_served
 
 
 @pytest.fixture(scope="module")
@@ -27,18 +26,28 @@ def own_engine(model_path: Path) -> Iterator[LlamaCppEngine]:
 
 
 @pytest.fixture
-async def fresh(own_engine: LlamaCppEngine, renderer: Renderer) -> AsyncIterator[Gateway]:
-    """A gateway on the module's engine, its weights back at the start weights (version 0)."""
-    if own_engine.weights_version != 0 or own_engine.adapter_path is not None:
-        await own_engine.load_weights(own_engine.start_source, 0)
-    gateway = Gateway(own_engine, renderer, SessionRegistry())
-    yield gateway  # not closed: that would close the module's engine
+def spec() -> ServeSpec:
+    """What `fresh` is built from; a test parametrized with `spec` builds it from its own."""
+    return ServeSpec(served_model_name="smollm2")
 
 
 @pytest.fixture
-async def admin(fresh: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(fresh, model_id="smollm2")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokentape") as client:
+async def fresh_served(own_engine: LlamaCppEngine, renderer: Renderer, spec: ServeSpec) -> Served:
+    """A gateway on the module's engine, its weights back at the start weights (version 0), and its app."""
+    if own_engine.weights_version != 0 or own_engine.adapter_path is not None:
+        await own_engine.load_weights(own_engine.start_source, 0)
+    return build_served(spec, engine=own_engine, renderer=renderer)  # not closed: that would close the engine
+
+
+@pytest.fixture
+def fresh(fresh_served: Served) -> Gateway:
+    return fresh_served.gateway
+
+
+@pytest.fixture
+async def admin(fresh_served: Served) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=fresh_served.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tokentape") as client:
         yield client
 
 

@@ -11,13 +11,16 @@ import pytest
 
 from tokentape.client import GatewayClient, InProcessGateway
 from tokentape.gateway.service import Gateway
-from tokentape.server.middleware import GuardSettings
+from tokentape.served import Served, ServeSpec
 
 TRAINER = "trainer-key-for-updates"
 
 
-async def test_update_weights_through_the_python_api(fresh: Gateway, adapters: list[Path]) -> None:
-    local = InProcessGateway(gateway=fresh, model="smollm2", guard=GuardSettings(api_keys=[TRAINER]))
+@pytest.mark.parametrize("spec", [ServeSpec(served_model_name="smollm2", api_keys=(TRAINER,))])
+async def test_update_weights_through_the_python_api(
+    fresh_served: Served, fresh: Gateway, adapters: list[Path]
+) -> None:
+    local = InProcessGateway(served=fresh_served)
     try:
         await local.create_session("before")
         before = local.client("before")

@@ -10,17 +10,25 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from tokentape.core.staleness import Staleness
+from tokentape.core.staleness import GroupAdmission, Staleness
 from tokentape.gateway.service import Gateway
+from tokentape.served import ServeSpec
+
+
+def built_with(staleness: Staleness) -> pytest.MarkDecorator:
+    """`fresh` built with this bound, as `serve --max-staleness --admit-per-version --admission-wait` build it."""
+    return pytest.mark.parametrize("spec", [ServeSpec(served_model_name="smollm2", staleness=staleness)])
+
 
 BODY = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
 
+@built_with(Staleness(max_staleness=1))
 async def test_a_session_older_than_max_staleness_gets_no_new_turns(
     fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
 ) -> None:
-    fresh.set_staleness(Staleness(max_staleness=1))
     assert (await admin.post("/sessions/old/v1/chat/completions", json=BODY)).status_code == 200  # version 0
     await admin.post("/sessions", json={"session_id": "strict", "metadata": {"max_staleness": 0}})
     assert (await admin.post("/sessions/strict/v1/chat/completions", json=BODY)).status_code == 200
@@ -42,10 +50,10 @@ async def test_a_session_older_than_max_staleness_gets_no_new_turns(
     assert (await admin.post("/sessions/new/v1/chat/completions", json=BODY)).status_code == 200
 
 
+@built_with(Staleness(max_staleness=0, admit_per_version=2))  # (0 + v + 1) x 2 groups
 async def test_admission_refuses_a_new_group_past_the_limit(
     fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
 ) -> None:
-    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=2))  # (0 + v + 1) x 2 groups
     for group in ("a", "b"):
         await admin.post("/sessions", json={"session_id": f"{group}1", "group_id": group})
         assert (await admin.post(f"/sessions/{group}1/v1/chat/completions", json=BODY)).status_code == 200
@@ -59,10 +67,10 @@ async def test_admission_refuses_a_new_group_past_the_limit(
     assert (await admin.post("/sessions/c1/v1/chat/completions", json=BODY)).status_code == 200
 
 
+@built_with(Staleness(max_staleness=5))  # the gateway's bound; each session below has its own
 async def test_max_staleness_is_a_field_of_the_session(
     fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
 ) -> None:
-    fresh.set_staleness(Staleness(max_staleness=5))  # the gateway's bound; each session below has its own
     created = await admin.post("/sessions", json={"session_id": "own", "max_staleness": 0})
     assert created.status_code == 201 and created.json()["max_staleness"] == 0
     assert (await admin.get("/sessions/own")).json()["max_staleness"] == 0
@@ -105,10 +113,10 @@ async def test_a_bad_max_staleness_is_a_400_and_creates_nothing(fresh: Gateway, 
         assert (await admin.get("/sessions/bad")).status_code == 404
 
 
+@built_with(Staleness(max_staleness=0, admit_per_version=1, admission_wait=30.0))  # 1 group at v0
 async def test_a_new_group_waits_for_a_version_bump_before_its_429(
     fresh: Gateway, admin: httpx.AsyncClient, adapters: list[Path]
 ) -> None:
-    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1, admission_wait=30.0))  # 1 group at v0
     assert (await admin.post("/sessions/g1/v1/chat/completions", json=BODY)).status_code == 200
     waiting = asyncio.create_task(admin.post("/sessions/g2/v1/chat/completions", json=BODY))
     await asyncio.sleep(0.3)
@@ -120,8 +128,9 @@ async def test_a_new_group_waits_for_a_version_bump_before_its_429(
     (branch,) = (await admin.get("/sessions/g2/export")).json()["branches"]
     assert {v for v in branch["versions"] if v >= 0} == {1}  # admitted, and sampled, under the new version
     # a bump that makes no room for it: the wait goes on, and ends in the 429 when its time is up
-    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1, admission_wait=0.6))
-    fresh.group_admission.count += 3  # type: ignore[union-attr]  # 4 admitted, room for 2
+    fresh.admission_wait = 0.6  # a shorter wait, set in place for the rest of this test
+    fresh.group_admission = GroupAdmission(0, 1)
+    fresh.group_admission.count += 3  # 4 admitted, room for 2
     started = time.monotonic()
     asking = asyncio.create_task(admin.post("/sessions/g3/v1/chat/completions", json=BODY))
     await asyncio.sleep(0.2)
@@ -131,8 +140,9 @@ async def test_a_new_group_waits_for_a_version_bump_before_its_429(
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "admission_closed"
     assert 0.6 <= waited < 5
     # without a wait: refused at once
-    fresh.set_staleness(Staleness(max_staleness=0, admit_per_version=1))
-    fresh.group_admission.count += 3  # type: ignore[union-attr]  # (0 + 2 + 1) x 1: full
+    fresh.admission_wait = 0.0
+    fresh.group_admission = GroupAdmission(0, 1)
+    fresh.group_admission.count += 3  # (0 + 2 + 1) x 1: full
     started = time.monotonic()
     assert (await admin.post("/sessions/g4/v1/chat/completions", json=BODY)).status_code == 429
     assert time.monotonic() - started < 0.5

@@ -9,19 +9,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tokentape.cli.root import app
-from tokentape.gateway.sessions import REWRITE_POLICIES, check_policy
+from tokentape.gateway.sessions import REWRITE_POLICIES
 
 if TYPE_CHECKING:
-    from tokentape.server.dialects.images import ImageLimits
-
-SWITCH = {"auto": None, "on": True, "off": False}
-
-
-def check_switch(value: str, option: str) -> bool | None:
-    """auto, on or off: None (the component decides), True, False."""
-    if value not in SWITCH:
-        raise typer.BadParameter("auto, on or off", param_hint=option)
-    return SWITCH[value]
+    from tokentape.served import ServeSpec
 
 
 @app.command()
@@ -234,128 +225,71 @@ def serve(
     """Serve the gateway until stopped (Ctrl-C or SIGTERM, which drains in-flight requests)."""
     import os
 
-    import uvicorn
-
+    from tokentape.core.staleness import Staleness
     from tokentape.gateway.sessions import MemoryLimits
-    from tokentape.runtime import RuntimeSettings, build_gateway
-    from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
-    from tokentape.server.connections import ConnectionLimits, bounded_protocol
-    from tokentape.server.exposure import OpenModeRefused, check_exposure, default_weights_dirs
-    from tokentape.server.middleware import GuardSettings
+    from tokentape.served import RayOptions, ServeSpec, SpecError
+    from tokentape.server.connections import ConnectionLimits
+    from tokentape.server.dialects.images import ImageLimits
+    from tokentape.server.exposure import default_weights_dirs
     from tokentape.train.weights import cache_dir
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = RuntimeSettings(
-        model_path=model,
-        tokenizer_dir=tokenizer,
-        engines=tuple(engine or ()),
-        context_length=context_length,
-        threads=threads,
-        parallel=parallel,
-        flash_attention=check_switch(flash_attention, "--flash-attention"),
-        rewrite_policy=check_policy(rewrite_policy),
-        served_model_name=served_model_name,
-        store_path=store,
-        max_active=max_active,
-        memory=MemoryLimits(max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds, max_bytes=max_memory_bytes),
-        match_prefix=match_prefix,
-    )
-    keys = [*(api_key or []), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))]
-    if prompt_token_ids not in ("always", "asked"):
-        raise typer.BadParameter("always or asked", param_hint="--prompt-token-ids")
-    if session_keys not in ("optional", "required"):
-        raise typer.BadParameter("optional or required", param_hint="--session-keys")
-    if session_keys == "required" and not keys:
-        raise typer.BadParameter("required needs a trainer key (--api-key)", param_hint="--session-keys")
     try:
-        warning = check_exposure(host, keys, insecure_open=insecure_open)
-    except OpenModeRefused as exc:
-        raise typer.BadParameter(str(exc), param_hint="--host") from None
-    if warning is not None:
-        logging.getLogger("tokentape").warning(warning)
-    guard = GuardSettings(
-        api_keys=keys,
-        max_body_bytes=max_body_bytes,
-        max_header_bytes=max_header_bytes,
-        require_session_keys=session_keys == "required",
-        max_in_flight_per_key=max_in_flight_per_key,
-        weights_dirs=weights_dir or default_weights_dirs(cache_dir()),
-    )
-    image_limits = _image_limits(allow_image_urls, image_url_network or [])
-    staleness = None
-    if max_staleness is not None or admit_per_version is not None:
-        from tokentape.core.staleness import Staleness
-
-        staleness = Staleness(max_staleness, admit_per_version, admission_wait)
-    if ray is not None:
-        from tokentape.ray.cluster import ClusterSettings, serve_cluster
-
-        cluster = ClusterSettings(
-            gateways=gateways,
+        spec = ServeSpec(
+            model=model,
+            tokenizer=tokenizer,
+            engines=tuple(engine or ()),
+            served_model_name=served_model_name,
+            context_length=context_length,
+            threads=threads,
+            parallel=parallel,
+            flash_attention=flash_attention,
+            rewrite_policy=rewrite_policy,
+            store=store,
+            memory=MemoryLimits(
+                max_sessions=max_sessions_in_memory, idle_seconds=idle_seconds, max_bytes=max_memory_bytes
+            ),
+            max_active=max_active,
+            match_prefix=match_prefix,
+            staleness=Staleness(max_staleness, admit_per_version, admission_wait),
             host=host,
-            first_port=port + 1,
-            store_dir=store_dir,
-            runtime=settings,
-            model_id=served_model_name,
-            trajectory_queue=trajectory_queue,
-            guard=guard,
-            image_limits=image_limits,
-            staleness=staleness,
+            port=port,
+            api_keys=(*(api_key or ()), *filter(None, os.environ.get("TOKENTAPE_API_KEYS", "").split(","))),
+            insecure_open=insecure_open,
+            session_keys=session_keys,
+            max_in_flight_per_key=max_in_flight_per_key,
+            max_body_bytes=max_body_bytes,
+            connections=ConnectionLimits(max_header_bytes, max_headers, header_timeout, body_timeout, send_timeout),
+            weights_dirs=tuple(weights_dir or default_weights_dirs(cache_dir())),
+            images=ImageLimits(allow_fetch=allow_image_urls, fetch_networks=tuple(image_url_network or ())),
             prompt_token_ids=prompt_token_ids,
+            drain_seconds=drain_seconds,
+            log_level=log_level.lower(),
+            ray=None if ray is None else RayOptions(ray, gateways, store_dir, trajectory_queue),
         )
-        serve_cluster(ray, cluster, port=port, log_level=log_level.lower())
+    except SpecError as exc:
+        raise typer.BadParameter(exc.message, param_hint=exc.option) from None
+    if (warning := spec.exposure_warning) is not None:
+        logging.getLogger("tokentape").warning(warning)
+    if spec.ray is not None:
+        from tokentape.ray.cluster import serve_cluster
+
+        serve_cluster(spec)
         return
-    gateway, name = build_gateway(settings)
-    if staleness is not None:
-        gateway.set_staleness(staleness)
+    _serve_here(spec)
+
+
+def _serve_here(spec: ServeSpec) -> None:
+    """One process: the gateway `spec` describes, served until stopped."""
+    import uvicorn
+
+    from tokentape.served import build_served
+
+    served = build_served(spec, owns_gateway=True, serving_process=True)
     typer.echo(
-        f"tokentape: serving {name or 'the engines model'} at http://{host}:{port}/v1 "
-        f"(sessions: /sessions/<id>/v1; store: {store}"
-        f"{'; API keys required' if keys else ''})",
+        f"tokentape: serving {served.model_id or 'the engines model'} at http://{spec.host}:{spec.port}/v1 "
+        f"(sessions: /sessions/<id>/v1; store: {spec.store}"
+        f"{'; API keys required' if spec.api_keys else ''})",
         err=True,
     )
-    uvicorn.run(
-        create_app(
-            gateway,
-            model_id=name,
-            guard=guard,
-            owns_gateway=True,
-            serving_process=True,
-            image_limits=image_limits,
-            prompt_token_ids=prompt_token_ids,
-        ),
-        host=host,
-        port=port,
-        log_level=log_level.lower(),
-        # libuv's event loop and llhttp's parser: less CPU per request than asyncio + h11. httptools
-        # sets no limit of its own: the protocol bounds a request's head, the time its head and body
-        # take to come and the time a client may stop reading (`server.connections`), and what a turn
-        # of the loop writes to a client goes out in one write (`server.write_combining`).
-        loop="uvloop",
-        http=bounded_protocol(
-            ConnectionLimits(max_header_bytes, max_headers, header_timeout, body_timeout, send_timeout)
-        ),
-        proxy_headers=False,  # nothing reads the client address; one ASGI layer less per request
-        # below info an access line is never shown, yet uvicorn formats its fields for every request
-        access_log=log_level.lower() in ("debug", "info"),
-        timeout_graceful_shutdown=drain_seconds,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-    )
-
-
-def _image_limits(allow_fetch: bool, networks: list[str]) -> ImageLimits:
-    """`--allow-image-urls` and the networks it may also reach, each checked to be a network."""
-    import ipaddress
-
-    from tokentape.server.dialects.images import ImageLimits
-
-    if networks and not allow_fetch:
-        raise typer.BadParameter("needs --allow-image-urls", param_hint="--image-url-network")
-    for net in networks:
-        try:
-            ipaddress.ip_network(net, strict=False)
-        except ValueError:
-            raise typer.BadParameter(
-                f"{net!r} is not a network (10.0.0.0/8, fd00::/8)", param_hint="--image-url-network"
-            ) from None
-    return ImageLimits(allow_fetch=allow_fetch, fetch_networks=tuple(networks))
+    uvicorn.run(served.app, host=spec.host, port=spec.port, **spec.uvicorn_options())

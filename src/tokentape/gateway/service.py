@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from tokentape.render.renderer import Renderer
 
 __all__ = [
     "Gateway",
+    "UpdaterFactory",
     "GatewayStats",
     "ChatCall",
     "CompletionCall",
@@ -59,6 +60,11 @@ __all__ = [
     "Event",
     "ReplyMode",
 ]
+
+
+# what runs a gateway's weight updates, made from its version gate, its engines (listed when asked:
+# a pool changes) and the probe's prompt; `WeightUpdater` itself by default
+UpdaterFactory = Callable[[VersionGate, Callable[[], Sequence[Engine]], Sequence[int]], WeightUpdater]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +80,21 @@ class GatewayStats:
 
 
 class Gateway:
-    def __init__(self, engine: Engine, renderer: Renderer, sessions: SessionRegistry, *, max_active: int = 64) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: Renderer,
+        sessions: SessionRegistry,
+        *,
+        max_active: int = 64,
+        clip_max_tokens: bool = False,
+        staleness: Staleness | None = None,
+        version: int = 0,
+        updates: UpdaterFactory = WeightUpdater,
+    ) -> None:
+        """Everything a gateway is given is given here; nothing is set on it afterwards. `version`: the
+        weights version its engines already hold (a gateway restarted after an update); `updates`: what
+        runs `POST /admin/weights` (a cluster's gateways hand it to their engine registry)."""
         self.engine = engine
         self.renderer = renderer
         self.sessions = sessions
@@ -83,13 +103,17 @@ class Gateway:
         self.engine_calls = 0
         # RL clients' choice: a request whose max_tokens passes the context gets the room left (finish
         # `length`) instead of OpenAI's 400; sessions opt in alone with metadata {"max_tokens": "clip"}
-        self.clip_max_tokens = False
+        self.clip_max_tokens = clip_max_tokens
         self.gate = VersionGate()  # the weights version, and the generations running against it
-        self.updates = WeightUpdater(self.gate, self.engines, renderer.tokenizer.encode(PROBE_TEXT))
-        self.staleness = Staleness()
+        if version:
+            self.gate.version, self.gate.label = version, str(version)
+        self.updates = updates(self.gate, self.engines, renderer.tokenizer.encode(PROBE_TEXT))
+        self.staleness = staleness = staleness or Staleness()
         self.group_admission: GroupAdmission | None = None
+        if staleness.admit_per_version is not None:
+            self.group_admission = GroupAdmission(staleness.max_staleness or 0, staleness.admit_per_version)
         self.admission_retry_after = 5.0
-        self.admission_wait = 0.0  # seconds a new group may wait for room before its 429
+        self.admission_wait = staleness.admission_wait  # seconds a new group may wait for room before its 429
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         vision = renderer.vision
         self._banned = tuple(sorted(vision.vision_token_ids)) if vision is not None else ()
@@ -373,20 +397,6 @@ class Gateway:
             if left <= 0 or not await self.gate.next_version(left):
                 return admission.admit(group, self.gate.version)
         return True
-
-    def set_staleness(self, staleness: Staleness, *, retry_after: float = 5.0) -> None:
-        """Bound staleness (`--max-staleness`) and admit new groups in AReaL's form (`--admit-per-version`;
-        a group that does not fit waits up to `staleness.admission_wait` seconds for a new version
-        before its 429)."""
-        if staleness.admission_wait < 0:
-            raise ValueError("admission_wait must be >= 0")
-        self.admission_wait = staleness.admission_wait
-        self.staleness = staleness
-        per_version = staleness.admit_per_version
-        self.group_admission = None
-        if per_version is not None:
-            self.group_admission = GroupAdmission(staleness.max_staleness or 0, per_version)
-        self.admission_retry_after = retry_after
 
     async def _ticket(self, call: Call) -> Ticket:
         """Open the request's session (read from the store only if it is not in memory) and hold it

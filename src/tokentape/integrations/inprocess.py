@@ -27,10 +27,10 @@ import openai
 
 from tokentape.client import InProcessGateway
 from tokentape.engines.base import Engine
-from tokentape.gateway.sessions import MemoryLimits, check_policy
+from tokentape.gateway.sessions import MemoryLimits
 from tokentape.render.renderer import Renderer
 from tokentape.rollout import context_overflow
-from tokentape.runtime import assemble_gateway
+from tokentape.served import ServeSpec
 
 __all__ = ["ENGINE_CODES", "Episode", "Status", "TRAINED", "in_process_gateway", "plain", "refusal", "run_episode"]
 
@@ -52,19 +52,18 @@ def in_process_gateway(
     model: str | None = None,
 ) -> InProcessGateway:
     """A gateway over a trainer's engine, called in process (no port), served as `model` (default:
-    the engine's model id); assembled as every gateway is (`tokentape.runtime.assemble_gateway`).
+    the engine's model id); built as every gateway is (`tokentape.served.build_served`).
     `max_tokens` is clipped to the room left, as the trainers' own servers clip it. `memory`: the
     sessions' memory limits (default: idle sessions leave memory after `IDLE_SECONDS`)."""
-    core = assemble_gateway(
-        engine,
-        renderer,
-        rewrite_policy=check_policy(rewrite_policy),
-        store_path=store,
+    spec = ServeSpec(
+        rewrite_policy=rewrite_policy,
+        store=store,
         memory=memory or MemoryLimits(idle_seconds=IDLE_SECONDS),
         max_active=max_active,
         clip_max_tokens=True,
+        served_model_name=model or engine.model_id,
     )
-    return InProcessGateway(gateway=core, model=model or engine.model_id)
+    return InProcessGateway(spec, engine=engine, renderer=renderer)
 
 
 @dataclass(slots=True)

@@ -4,17 +4,18 @@ Needs the optional dependency: `pip install -e '.[ray]'` in a clone of the repos
 
 from tokentape.ray.cluster import (
     Cluster,
-    ClusterSettings,
     TrajectoryReader,
     connect,
     front_app,
     start_cluster,
     trajectories,
 )
+from tokentape.served import RayOptions, ServeSpec
 
 __all__ = [
     "Cluster",
-    "ClusterSettings",
+    "RayOptions",
+    "ServeSpec",
     "TrajectoryReader",
     "connect",
     "front_app",

@@ -8,32 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from tokentape.core.staleness import Staleness
+from tokentape.engines.base import Engine
 from tokentape.engines.weights import InFlight
 from tokentape.errors import Conflict, TokentapeError
 from tokentape.gateway.updates import WeightUpdate, WeightUpdater
+from tokentape.gateway.versions import VersionGate
 from tokentape.ray.asgi import HttpRequest, ResponseStart, collect
 from tokentape.ray.placement import SessionPlacement
 from tokentape.ray.routing import OwnerRouting
-from tokentape.runtime import RuntimeSettings
-from tokentape.server.dialects.images import ImageLimits
-from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardSettings
+from tokentape.served import ServeSpec
 
 __all__ = [
     "NAMESPACE",
     "DIRECTORY",
-    "GatewaySpec",
     "SessionDirectory",
     "GatewayActor",
     "GatewayActorClass",
@@ -159,101 +155,74 @@ class RayPeers:
         await self.directory.forget.remote(session_id)
 
 
-@dataclass(frozen=True, slots=True)
-class GatewaySpec:
-    index: int
-    host: str
-    port: int
-    shard: str  # this gateway's SQLite file, on its node
-    runtime: RuntimeSettings
-    model_id: str | None = None
-    trajectory_queue: str | None = None  # hand finished sessions to this queue
-    engine_actors: int = 1  # embedded engine actors shared by the cluster (when no engine URL is given)
-    guard: GuardSettings | None = None  # keys and limits
-    image_limits: ImageLimits | None = None  # --allow-image-urls and its networks, as on one gateway
-    staleness: Staleness | None = None  # --max-staleness / --admit-per-version, as on one gateway
-    prompt_token_ids: str = "always"  # --prompt-token-ids, as on one gateway
-
-
 class GatewayActor:
     """One gateway: its sessions in memory, its turns in its shard, the HTTP API on its port. Killed,
     Ray starts it again with the same spec: it reloads its shard and serves the same URL."""
 
-    async def __init__(self, spec: GatewaySpec) -> None:  # type: ignore[misc]  # Ray awaits an async actor's __init__
+    async def __init__(self, spec: ServeSpec, index: int) -> None:  # type: ignore[misc]  # Ray awaits an async actor's __init__
+        """Gateway `index` of the cluster `spec` describes, its store shard at `spec.store`."""
+        import functools
+
         import uvicorn
 
-        from tokentape.runtime import build_gateway
-        from tokentape.server.app import KEEP_ALIVE_SECONDS, create_app
-        from tokentape.server.connections import ConnectionLimits, bounded_protocol
-
-        self.spec = spec
-        Path(spec.shard).parent.mkdir(parents=True, exist_ok=True)
         from tokentape.engines.remote import make_engine
         from tokentape.ray.engines import ENGINE_REGISTRY, ActorEngine, SharedRouter, engine_actor_name
+        from tokentape.served import RayOptions, build_served
 
-        engines = [make_engine(s) for s in spec.runtime.engines] or [
-            ActorEngine(engine_actor_name(i)) for i in range(spec.engine_actors)
+        self.spec, self.index = spec, index
+        options = spec.ray or RayOptions()
+        Path(spec.store).parent.mkdir(parents=True, exist_ok=True)
+        engines = [make_engine(s) for s in spec.engines] or [
+            ActorEngine(engine_actor_name(i)) for i in range(options.engine_actors)
         ]
         registry = ray.get_actor(ENGINE_REGISTRY, namespace=NAMESPACE)
         router = SharedRouter(engines, registry)
-        gateway, name = build_gateway(dataclasses.replace(spec.runtime, store_path=spec.shard), engine=router)
-        if not spec.runtime.engines:  # engine actors: the registry updates them for the whole cluster
-            gateway.updates = ClusterUpdates(gateway, registry, spec.engine_actors)  # type: ignore[assignment]
+        if spec.engines:  # remote engines shared by every gateway: this one alone cannot hold the others
+            served = build_served(
+                spec, engine=router, updates=SharedEngineUpdates, owns_gateway=True, serving_process=True
+            )
+        else:  # engine actors: the registry updates them for the whole cluster
+            updates = functools.partial(ClusterUpdates, registry=registry, engine_actors=options.engine_actors)
             # a gateway (re)started after an update: the engine actors hold the cluster's version
             version = int((await registry.describe.remote())["weights_version"])
-            if version:
-                gateway.gate.version, gateway.gate.label = version, str(version)
-        else:  # remote engines shared by every gateway: this one alone cannot hold the others
-            gateway.updates = SharedEngineUpdates(gateway.gate, gateway.engines, [])  # it never probes
-        if spec.staleness is not None:  # every gateway switches version together, so K means the same on each
-            gateway.set_staleness(spec.staleness)
-        self.gateway = gateway
-        self.app = create_app(
-            gateway,
-            model_id=spec.model_id or name,
-            guard=spec.guard,
-            owns_gateway=True,
-            serving_process=True,
-            image_limits=spec.image_limits,
-            prompt_token_ids=spec.prompt_token_ids,
-        )
-        trainer = spec.guard.trainer_key if spec.guard is not None else None
+            served = build_served(
+                spec, engine=router, updates=updates, version=version, owns_gateway=True, serving_process=True
+            )
+        # every gateway switches version together, so the spec's staleness bound means the same on each
+        self.gateway = served.gateway
+        self.app = served.app
+        trainer = spec.trainer_key
         # this gateway's own calls to its app (hand-offs to the trajectory queue) are a trainer's
         self._own: tuple[tuple[bytes, bytes], ...] = ()
         if trainer:
             self._own = ((b"authorization", f"Bearer {trainer}".encode()),)
-        self.peers = RayPeers(spec.index)
+        self.trajectory_queue = options.trajectory_queue
+        self.peers = RayPeers(index)
         self._forwarded: dict[str, asyncio.Event] = {}  # request id -> set when its client leaves
         self.routing = OwnerRouting(
             self.app,
             self.peers,
-            on_finish=self._hand_off if spec.trajectory_queue else None,
-            max_body_bytes=spec.guard.max_body_bytes if spec.guard is not None else DEFAULT_MAX_BODY_BYTES,
+            on_finish=self._hand_off if self.trajectory_queue else None,
+            max_body_bytes=spec.max_body_bytes,
         )
-        self.url = f"http://{spec.host}:{spec.port}"
-        config = uvicorn.Config(
-            self.routing,
-            host=spec.host,
-            port=spec.port,
-            log_level="warning",
-            lifespan="on",
-            # bounded as `tokentape serve` is, at its defaults: heads, slow heads and bodies, clients that stop reading
-            http=bounded_protocol(ConnectionLimits()),
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        )
+        port = spec.port + 1 + index
+        self.url = f"http://{spec.host}:{port}"
+        # bounded as `tokentape serve` is; its access lines would go to Ray's log stream
+        served_as = {**spec.uvicorn_options(), "log_level": "warning", "access_log": False}
+        config = uvicorn.Config(self.routing, host=spec.host, port=port, lifespan="on", **served_as)
         self.server = uvicorn.Server(config)
         # Bound here, so a port in use fails this constructor with a clear error (uvicorn would exit
         # the actor's event loop instead).
         listener = socket.socket(socket.AF_INET6 if ":" in spec.host else socket.AF_INET)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((spec.host, spec.port))
+        listener.bind((spec.host, port))
         self._serving = asyncio.get_running_loop().create_task(self.server.serve(sockets=[listener]))
         while not self.server.started:
             if self._serving.done():
-                raise RuntimeError(f"gateway {spec.index} could not serve on {self.url}")
+                raise RuntimeError(f"gateway {index} could not serve on {self.url}")
             await asyncio.sleep(0.02)
-        await self.peers.directory.join.remote(spec.index, self.url)
-        if spec.trajectory_queue:
+        await self.peers.directory.join.remote(index, self.url)
+        if self.trajectory_queue:
             self._sweep = asyncio.get_running_loop().create_task(self._hand_off_finished())
 
     async def handle(self, request: HttpRequest, request_id: str = "") -> AsyncIterator[ResponseStart | bytes]:
@@ -312,11 +281,11 @@ class GatewayActor:
 
     async def describe(self) -> dict[str, Any]:
         return {
-            "index": self.spec.index,
+            "index": self.index,
             "url": self.url,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
-            "shard": self.spec.shard,
+            "shard": self.spec.store,
             "sessions_in_memory": (stats := self.gateway.stats()).sessions_in_memory,
             "requests_active": stats.requests_active,
             "engine_calls": stats.engine_calls,
@@ -335,10 +304,10 @@ class GatewayActor:
         return exported
 
     async def _hand_off(self, session_id: str) -> None:
-        assert self.spec.trajectory_queue is not None
+        assert self.trajectory_queue is not None
         exported = await self._export(session_id)
         if exported is not None:
-            queue = ray.get_actor(queue_name(self.spec.trajectory_queue), namespace=NAMESPACE)
+            queue = ray.get_actor(queue_name(self.trajectory_queue), namespace=NAMESPACE)
             await queue.put.remote(session_id, exported)  # waits while the queue is full: back-pressure
 
     async def _hand_off_finished(self) -> None:
@@ -349,7 +318,7 @@ class GatewayActor:
         start, body = await collect(self.routing.local(request))
         if start.status != 200:
             return
-        queue = ray.get_actor(queue_name(self.spec.trajectory_queue or ""), namespace=NAMESPACE)
+        queue = ray.get_actor(queue_name(self.trajectory_queue or ""), namespace=NAMESPACE)
         ids = [orjson.loads(line)["session_id"] for line in body.splitlines() if line.strip()]
         missing = await queue.missing.remote(sorted(set(ids)))
         for session_id in missing:
@@ -357,17 +326,23 @@ class GatewayActor:
                 await self._hand_off(session_id)
 
 
-class ClusterUpdates:
+class ClusterUpdates(WeightUpdater):
     """`POST /admin/weights` on a gateway of a cluster whose engines are actors: the engine registry
     runs the update over every engine actor and every gateway (`ray.engines.EngineRegistry`)."""
 
-    def __init__(self, gateway: Any, registry: Any, engine_actors: int) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        gate: VersionGate,
+        engines: Callable[[], Sequence[Engine]],
+        probe_prompt: Sequence[int],
+        *,
+        registry: Any,
+        engine_actors: int,
+    ) -> None:
+        super().__init__(gate, engines, probe_prompt)
         self.registry = registry
         self.engine_actors = engine_actors
-        self.running = False
         self.held = False  # held by the registry's update (or its failure) over the whole cluster
-        self.last: dict[str, Any] | None = None
 
     async def _gateways(self) -> list[str]:
         directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
@@ -402,7 +377,7 @@ class ClusterUpdates:
 
     async def rollback(self) -> dict[str, Any]:
         await self.registry.resume_after_failure.remote(await self._gateways())
-        return {"version": self.gateway.gate.version}
+        return {"version": self.gate.version}
 
 
 class SharedEngineUpdates(WeightUpdater):

@@ -1,6 +1,6 @@
 """Starting a cluster of gateways on Ray, and what a trainer in the same cluster calls.
 
-    cluster = start_cluster(ClusterSettings(gateways=2, trajectory_queue="train"))
+    cluster = start_cluster(ServeSpec(ray=RayOptions(gateways=2, trajectory_queue="train")))
     ... agents talk to cluster.gateway_urls (or to a front, `tokentape serve --ray`) ...
     batch = trajectories("train").get(max_items=8, timeout=60)   # finished sessions, exported
 
@@ -10,20 +10,19 @@ cluster finds them; the cluster lives as long as the driver that started it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokentape.core.staleness import Staleness
 from tokentape.ray.actors import (
     DIRECTORY,
     NAMESPACE,
     GatewayActorClass,
-    GatewaySpec,
     RayPeers,
     SessionDirectoryActor,
     TrajectoryQueueActor,
@@ -32,12 +31,10 @@ from tokentape.ray.actors import (
 )
 from tokentape.ray.engines import ENGINE_REGISTRY, EmbeddedEngineActor, EngineRegistryActor, engine_actor_name
 from tokentape.ray.routing import OwnerRouting
-from tokentape.runtime import RuntimeSettings
-from tokentape.server.dialects.images import ImageLimits
-from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardSettings
+from tokentape.served import RayOptions, ServeSpec
+from tokentape.server.middleware import DEFAULT_MAX_BODY_BYTES
 
 __all__ = [
-    "ClusterSettings",
     "Cluster",
     "cluster_status",
     "connect",
@@ -47,24 +44,6 @@ __all__ = [
     "trajectories",
     "TrajectoryReader",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSettings:
-    gateways: int = 2
-    host: str = "127.0.0.1"  # gateways bind here; 0.0.0.0 to serve other machines
-    first_port: int = 8001  # gateway i serves on first_port + i
-    store_dir: str = "tokentape-shards"  # on each node: gateway-<i>.sqlite3
-    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
-    model_id: str | None = None
-    trajectory_queue: str | None = None  # a queue name: finished sessions are handed to it
-    queue_capacity: int = 1024
-    engine_actors: int = 1  # embedded llama.cpp engines as actors, shared by all gateways (no engine URLs)
-    guard: GuardSettings | None = None  # keys and limits, the same on every gateway
-    image_limits: ImageLimits | None = None  # images and image URLs, the same on every gateway
-    # bounded staleness on every gateway; admission (admit_per_version) counts the groups each gateway admitted
-    staleness: Staleness | None = None
-    prompt_token_ids: str = "always"  # --prompt-token-ids on every gateway
 
 
 def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
@@ -81,12 +60,16 @@ def connect(address: str = "local", *, num_cpus: int | None = None) -> None:
 
 @dataclass(slots=True)
 class Cluster:
-    settings: ClusterSettings
+    spec: ServeSpec  # its `ray` options given
     directory: Any
     gateways: list[Any]
     queue: Any | None
     registry: Any
     engines: list[Any]
+
+    @property
+    def options(self) -> RayOptions:
+        return self.spec.ray or RayOptions()
 
     @property
     def gateway_urls(self) -> dict[int, str]:
@@ -118,7 +101,8 @@ class Cluster:
             ray.kill(actor, no_restart=True)
         names = [DIRECTORY, ENGINE_REGISTRY, *(gateway_name(i) for i in range(len(self.gateways)))]
         names += [engine_actor_name(i) for i in range(len(self.engines))]
-        names += [queue_name(self.settings.trajectory_queue)] if self.settings.trajectory_queue else []
+        queue_named = self.options.trajectory_queue
+        names += [queue_name(queue_named)] if queue_named else []
         deadline = time.monotonic() + timeout
         for name in names:
             while time.monotonic() < deadline:
@@ -140,58 +124,48 @@ def _when_up(call: Any, timeout: float) -> Any:
             time.sleep(0.2)
 
 
-def start_cluster(settings: ClusterSettings) -> Cluster:
-    """The directory, the queue (if named) and `settings.gateways` gateway actors, spread over the
-    cluster's nodes and pinned there (a gateway restarts beside its shard)."""
+def start_cluster(spec: ServeSpec) -> Cluster:
+    """The directory, the queue (if named) and the gateway actors `spec.ray` asks for (default
+    `RayOptions()`), spread over the cluster's nodes and pinned there (a gateway restarts beside its
+    shard). Gateway i serves on `spec.port + 1 + i`; each is given `spec` with its shard as its store."""
+    options = spec.ray or RayOptions()
+    spec = dataclasses.replace(spec, ray=options)
     directory = SessionDirectoryActor.options(
         name=DIRECTORY, namespace=NAMESPACE, num_cpus=0, get_if_exists=True
     ).remote()
     queue = None
-    if settings.trajectory_queue:
+    if options.trajectory_queue:
         queue = TrajectoryQueueActor.options(
-            name=queue_name(settings.trajectory_queue), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
-        ).remote(settings.queue_capacity)
+            name=queue_name(options.trajectory_queue), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+        ).remote(options.queue_capacity)
     nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])  # type: ignore[no-untyped-call]
     registry = EngineRegistryActor.options(
         name=ENGINE_REGISTRY, namespace=NAMESPACE, num_cpus=0, get_if_exists=True
     ).remote()
-    engine_actors = [] if settings.runtime.engines else list(range(settings.engine_actors))
+    engine_actors = [] if spec.engines else list(range(options.engine_actors))
     engines = [
         EmbeddedEngineActor.options(
             name=engine_actor_name(index),
             namespace=NAMESPACE,
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
-        ).remote(settings.runtime)
+        ).remote(spec)
         for index in engine_actors
     ]
     ray.get([engine.info.remote() for engine in engines])
     gateways = []
-    for index in range(settings.gateways):
-        spec = GatewaySpec(
-            index=index,
-            host=settings.host,
-            port=settings.first_port + index,
-            shard=str(Path(settings.store_dir).absolute() / f"gateway-{index}.sqlite3"),
-            runtime=settings.runtime,
-            model_id=settings.model_id,
-            trajectory_queue=settings.trajectory_queue,
-            engine_actors=len(engine_actors),
-            guard=settings.guard,
-            image_limits=settings.image_limits,
-            staleness=settings.staleness,
-            prompt_token_ids=settings.prompt_token_ids,
-        )
+    for index in range(options.gateways):
+        shard = str(Path(options.store_dir).absolute() / f"gateway-{index}.sqlite3")
         gateways.append(
             GatewayActorClass.options(
                 name=gateway_name(index),
                 namespace=NAMESPACE,
                 num_cpus=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
-            ).remote(spec)
+            ).remote(dataclasses.replace(spec, store=shard), index)
         )
     ray.get([g.describe.remote() for g in gateways])  # every gateway serving and joined
-    return Cluster(settings, directory, gateways, queue, registry, engines)
+    return Cluster(spec, directory, gateways, queue, registry, engines)
 
 
 def front_app(max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> OwnerRouting:
@@ -240,21 +214,19 @@ def cluster_status() -> dict[str, Any]:
     return {"gateways": gateways, "engines": engines, "queues": queues}
 
 
-def serve_cluster(address: str, settings: ClusterSettings, *, port: int, log_level: str = "info") -> None:
-    """`tokentape serve --ray`: start the cluster, serve the front API on `port` until stopped."""
+def serve_cluster(spec: ServeSpec) -> None:
+    """`tokentape serve --ray`: start the cluster `spec` describes, serve the front API on its port
+    until stopped."""
     import uvicorn
 
-    from tokentape.server.app import KEEP_ALIVE_SECONDS
-
-    connect(address)
-    cluster = start_cluster(settings)
+    connect((spec.ray or RayOptions()).address)
+    cluster = start_cluster(spec)
     urls = ", ".join(cluster.gateway_urls.values())
     print(
-        f"tokentape: {settings.gateways} gateways on Ray ({urls}); front at http://{settings.host}:{port}", flush=True
+        f"tokentape: {cluster.options.gateways} gateways on Ray ({urls}); front at http://{spec.host}:{spec.port}",
+        flush=True,
     )
     try:
-        limit = settings.guard.max_body_bytes if settings.guard is not None else DEFAULT_MAX_BODY_BYTES
-        front = front_app(limit)
-        uvicorn.run(front, host=settings.host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_SECONDS)
+        uvicorn.run(front_app(spec.max_body_bytes), host=spec.host, port=spec.port, **spec.uvicorn_options())
     finally:
         cluster.stop()

@@ -30,7 +30,7 @@ from tokentape.engines.router import Router
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed, WeightUpdateRefused
 from tokentape.errors import Conflict, EngineFailure, InvalidRequest
 from tokentape.ray.placement import EngineBook
-from tokentape.runtime import RuntimeSettings
+from tokentape.served import ServeSpec
 
 __all__ = [
     "ENGINE_REGISTRY",
@@ -170,18 +170,17 @@ class EngineRegistry:
 class EmbeddedEngine:
     """The embedded llama.cpp engine as an actor: token IDs in, sampled tokens streamed out."""
 
-    def __init__(self, runtime: RuntimeSettings) -> None:
+    def __init__(self, spec: ServeSpec) -> None:
         from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
         from tokentape.runtime import embedded_model_path
 
-        path = runtime.model_path or embedded_model_path()
         self.engine = LlamaCppEngine(
             LlamaCppSettings(
-                model_path=path,
-                context_length=runtime.context_length,
-                threads=runtime.threads,
-                parallel=runtime.parallel,
-                flash_attention=runtime.flash_attention,
+                model_path=spec.model or embedded_model_path(),
+                context_length=spec.context_length,
+                threads=spec.threads,
+                parallel=spec.parallel,
+                flash_attention=spec.flash,
             )
         )
         self.sources: dict[int, WeightSource] = {}  # what each version loaded, for a restore

@@ -45,13 +45,7 @@ from tokentape.server.serving import DialectContext, Serving
 from tokentape.server.sessions_api import add_session_routes
 from tokentape.version import VERSION
 
-__all__ = ["KEEP_ALIVE_SECONDS", "GatewayApp", "create_app"]
-
-# How long an idle client connection stays open (uvicorn's default is 5 s). Longer than clients keep
-# theirs idle (httpx, under the openai SDK: 5 s; aiohttp: 15 s): a server that closes first races a
-# client reusing the connection at that moment, and the request fails with a connection error. A busy
-# agent's event loop can leave its connections idle for seconds between calls.
-KEEP_ALIVE_SECONDS = 75
+__all__ = ["GatewayApp", "create_app"]
 
 
 async def _parse(request: Request, model: type[Any]) -> tuple[Any, dict[str, Any]]:

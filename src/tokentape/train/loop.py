@@ -128,14 +128,13 @@ class Trainer:
 
     def _embedded_gateway(self) -> InProcessGateway:
         from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-        from tokentape.runtime import RuntimeSettings, build_gateway
+        from tokentape.served import ServeSpec
 
         settings = LlamaCppSettings(
             model_path=self.engine_path, context_length=self.config.context_length, kv_cache_f32=True
         )
-        runtime = RuntimeSettings(model_path=self.engine_path, context_length=self.config.context_length)
-        gateway, name = build_gateway(runtime, engine=LlamaCppEngine(settings))
-        return InProcessGateway(gateway=gateway, model=name or "policy")
+        spec = ServeSpec(model=self.engine_path, context_length=self.config.context_length)
+        return InProcessGateway(spec, engine=LlamaCppEngine(settings))
 
     async def rollouts(self, step: int) -> tuple[list[dict[str, Any]], int]:
         run_id = f"train-s{self.config.seed}-{step:04d}"

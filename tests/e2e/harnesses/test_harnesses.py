@@ -45,8 +45,8 @@ from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.render.renderer import Renderer
-from tokentape.runtime import assemble_gateway, hf_renderer
-from tokentape.server.app import create_app
+from tokentape.runtime import hf_renderer
+from tokentape.served import ServeSpec, build_served
 
 ONLY_ENV = "TOKENTAPE_HARNESSES_ONLY"  # e.g. "codex": the others skip (make unit runs Codex's, the quickest)
 
@@ -327,8 +327,8 @@ def served(request: pytest.FixtureRequest, qwen_dir: Path) -> Iterator[Served]:
         return case.final() if kind == "answer" else TITLE
 
     engine = ReadingEngine(renderer, answers)
-    gateway = assemble_gateway(engine, renderer)
-    log = RefusalLog(create_app(gateway, model_id=MODEL, owns_gateway=True))
+    built = build_served(ServeSpec(served_model_name=MODEL), engine=engine, renderer=renderer, owns_gateway=True)
+    log = RefusalLog(built.app)
     with serving(log) as url:
         yield Served(url, engine, log)
 
