@@ -65,6 +65,7 @@ from tokentape.client import InProcessGateway
 from tokentape.errors import TokentapeError
 from tokentape.integrations.inprocess import Episode, in_process_gateway, plain, run_episode
 from tokentape.integrations.skyrl_engine import SkyRLEngine
+from tokentape.integrations.trainer_engine import asks_logprobs
 from tokentape.rollout import load_agent, rendered_prompt
 from tokentape.runtime import hf_renderer
 
@@ -379,6 +380,7 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
         times = [t.seconds for t in trajectories]
         metrics = get_rollout_metrics(responses, rewards, loss_masks=masks, trajectory_completion_times=times)
         metrics.update(self._metrics(trajectories, rows))
+        logprobs = asks_logprobs(sampling.get("logprobs"))  # as SkyRL's generator: given where asked for
         output: dict[str, Any] = {
             "prompt_token_ids": [r.prompt_ids for _, _, r, _ in rows],
             "response_ids": responses,
@@ -386,7 +388,7 @@ class TokentapeGenerator(GeneratorInterface):  # type: ignore[misc]
             "loss_masks": masks,
             "stop_reasons": stops,
             "rollout_metrics": metrics,
-            "rollout_logprobs": [r.logprobs for _, _, r, _ in rows] if sampling.get("logprobs") is not None else None,
+            "rollout_logprobs": [r.logprobs for _, _, r, _ in rows] if logprobs else None,
             "trajectory_ids": [ids[i] for _, i, _, _ in rows] if self.step_wise else None,
             "trajectory_generation_times": [t.seconds for t, _, _, _ in rows],
             "rollout_expert_indices": None,

@@ -1,5 +1,5 @@
-"""SkyRL's inference client as a tokentape engine: every token comes from the servers whose weights
-SkyRL syncs, through `inference_engine_client.generate(InferenceEngineInput, model=) ->
+"""SkyRL's inference client as a tokentape engine (`trainer_engine.TrainerEngine`): every token comes
+from the servers whose weights SkyRL syncs, through `inference_engine_client.generate(InferenceEngineInput, model=) ->
 InferenceEngineOutput` (`RemoteInferenceClient`: vLLM's token route behind SkyRL's router).
 
 - Token IDs in (`prompt_token_ids`, one prompt a call), token IDs and logprobs out; nothing is
@@ -32,24 +32,17 @@ InferenceEngineOutput` (`RemoteInferenceClient`: vLLM's token route behind SkyRL
 
 from __future__ import annotations
 
-import asyncio
 import numbers
-import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokentape.core.export import data_url
-from tokentape.core.sampling import SamplingParams
-from tokentape.engines.base import Constraint, LogprobMode, PromptImage, SampledToken, vllm_logprob_mode
-from tokentape.engines.verl import CallTimes
-from tokentape.errors import ContextOverflow, EngineFailure, EngineProtocolError, InvalidRequest
+from tokentape.engines.base import PromptImage
+from tokentape.errors import ContextOverflow, EngineProtocolError, InvalidRequest
+from tokentape.integrations.trainer_engine import Answer, Episode, TrainerEngine, trainer_call
 
-__all__ = ["InferenceClient", "SkyRLEngine", "skyrl_request"]
-
-ABORTED = frozenset({"abort", "aborted"})
-MAX_RESUMES = 64  # an answer aborted this many times in a row is a failure, not a weight sync
-DROPPED = ("n", "max_tokens", "max_generate_length", "logprobs", "seed")  # the engine sets these per call
+__all__ = ["InferenceClient", "SkyRLEngine"]
 
 
 class InferenceClient(Protocol):
@@ -59,31 +52,15 @@ class InferenceClient(Protocol):
 
 
 @dataclass(slots=True)
-class _Episode:
-    sampling: dict[str, Any]
-    version: int | None  # the batch's global_step: the version where the client keeps none
-    seconds: float = 0.0  # spent inside the client's generate
-    resumed: int = 0  # its calls' aborted answers resumed
-    straddled: int = 0  # its calls whose tokens came from more than one weights version
+class SkyRLEpisode(Episode):
+    version: int | None = None  # the batch's global_step: the version where the client keeps none
 
 
-def skyrl_request(
-    trainer: Mapping[str, Any], params: SamplingParams, *, max_tokens: int, seed: int | None, stop_ids: frozenset[int]
-) -> dict[str, Any]:
-    """The `sampling_params` of one call: the trainer's sampling, the request's budget, stop tokens and
-    seed, logprobs of the sampled token always (the tape needs them)."""
-    request = {k: v for k, v in trainer.items() if k not in DROPPED and v is not None}
-    request["max_tokens"] = max_tokens
-    request["logprobs"] = 0
-    request["stop_token_ids"] = sorted(set(trainer.get("stop_token_ids") or ()) | set(params.stop_token_ids) | stop_ids)
-    if seed is not None:
-        request["seed"] = seed
-    request.update(params.reshaping())  # the request's bias and penalties, vLLM's names
-    return request
-
-
-class SkyRLEngine:
-    takes_images = True  # as `mm_features` (`base.takes_images`); refused where `images_refused` says why
+class SkyRLEngine(TrainerEngine[SkyRLEpisode]):
+    kind = "skyrl"
+    servers = "SkyRL's inference servers"
+    server = "SkyRL's inference client"
+    asked_logprobs = 0  # vLLM's count of top logprobs: the sampled token's own only
 
     def __init__(
         self,
@@ -98,37 +75,27 @@ class SkyRLEngine:
         resume_delay: float = 1.0,
         images_refused: str | None = None,
     ) -> None:
+        # logprobs_mode: what SkyRL's vLLM servers report (vLLM's default: raw)
+        super().__init__(
+            model_id=model_id, end_of_turn_ids=end_of_turn_ids, logprobs_mode=logprobs_mode, resume_delay=resume_delay
+        )
         self.client = client
         self.images_refused = images_refused
-        self._model_id = model_id
         self.model = model  # passed as `model=`: SkyRL's policy model name or LoRA adapter (None: the client's)
         self.max_input_length = max_input_length
         self.max_generate_length = max_generate_length
-        self._end_of_turn = end_of_turn_ids
-        self.logprobs_mode = logprobs_mode  # what SkyRL's vLLM servers report (vLLM's default: raw)
-        self.resume_delay = resume_delay
-        self._episodes: dict[str, _Episode] = {}
-        self.tokens_generated = 0
-        self.resumed = 0
-        self.straddled_calls = 0
-        self.times = CallTimes()
-
-    @property
-    def model_id(self) -> str:
-        return self._model_id
 
     @property
     def context_length(self) -> int:
         return self.max_input_length + self.max_generate_length
 
-    def open_episode(self, session_id: str, sampling_params: Mapping[str, Any], version: int | None) -> None:
+    def open_episode(self, session_id: str, sampling_params: Mapping[str, Any], version: int | None = None) -> None:
         """The trainer's sampling parameters and the batch's global_step for this session's calls."""
-        self._episodes[session_id] = _Episode(dict(sampling_params), version)
+        super().open_episode(session_id, sampling_params)
+        self._episodes[session_id].version = version
 
-    def close_episode(self, session_id: str) -> float:
-        """Forget the session; the seconds its calls spent inside the client's `generate`."""
-        episode = self._episodes.pop(session_id, None)
-        return 0.0 if episode is None else episode.seconds
+    def _episode(self, sampling: dict[str, Any]) -> SkyRLEpisode:
+        return SkyRLEpisode(sampling)
 
     def episode_calls(self, session_id: str) -> tuple[int, int]:
         """The session's own calls so far (while it is open): aborted answers resumed, and calls that
@@ -136,78 +103,48 @@ class SkyRLEngine:
         episode = self._episodes.get(session_id)
         return (0, 0) if episode is None else (episode.resumed, episode.straddled)
 
-    def _version(self, episode: _Episode | None) -> int | None:
+    def _version(self, episode: SkyRLEpisode | None) -> int | None:
         value = getattr(self.client, "weight_version", None)
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return int(value)
         return None if episode is None else episode.version
 
-    async def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        *,
-        seed: int | None,
-        session_id: str | None = None,
-        constraint: Constraint | None = None,
-        whole: bool = False,
-        images: Sequence[PromptImage] = (),
-    ) -> AsyncGenerator[SampledToken, None]:
-        if constraint is not None:
-            raise InvalidRequest(
-                "SkyRL's inference servers are not asked for constrained output", param="response_format"
-            )
-        if len(prompt) > self.max_input_length:
+    def _budget(self, session_id: str | None, prompt_length: int, max_tokens: int | None) -> int:
+        if prompt_length > self.max_input_length:
             raise ContextOverflow(
-                f"the prompt has {len(prompt)} tokens, past SkyRL's max_input_length of {self.max_input_length}",
+                f"the prompt has {prompt_length} tokens, past SkyRL's max_input_length of {self.max_input_length}",
                 param="messages",
             )
-        features = await self.features(prompt, images, session_id) if images else None
-        episode = self._episodes.get(session_id or "")
-        trainer = episode.sampling if episode is not None else {}
-        wanted = (
-            self.max_generate_length if params.max_tokens is None else min(params.max_tokens, self.max_generate_length)
-        )
-        mode = self._mode(trainer)
-        sampled: list[int] = []
-        for _ in range(MAX_RESUMES):
-            request = skyrl_request(
-                trainer, params, max_tokens=wanted - len(sampled), seed=seed, stop_ids=self._end_of_turn
-            )
-            before = self._version(episode)
-            output = await self._call(session_id, [*prompt, *sampled], request, episode, features)
-            after = self._version(episode)
-            tokens = [int(t) for t in output["response_ids"][0]]
-            logprobs = (output.get("response_logprobs") or [None])[0]
-            if tokens and (logprobs is None or len(logprobs) != len(tokens)):
-                raise EngineProtocolError("SkyRL's inference client returned no logprob for every sampled token")
-            if before != after:
-                self.straddled_calls += 1
-                if episode is not None:
-                    episode.straddled += 1
-            version = after if before is None else before if after is None else min(before, after)
-            self.tokens_generated += len(tokens)
-            for token, logprob in zip(tokens, logprobs or (), strict=True):
-                sampled.append(token)
-                yield SampledToken(token, float(logprob), (), mode, version)
-            reason = str(output["stop_reasons"][0])
-            ended = bool(sampled) and sampled[-1] in request["stop_token_ids"]
-            if reason not in ABORTED or ended or len(sampled) >= wanted:
-                return
-            self.resumed += 1  # SkyRL paused its servers in abort mode: go on where it stopped
-            if episode is not None:
-                episode.resumed += 1
-            await asyncio.sleep(self.resume_delay)
-        raise EngineFailure(f"SkyRL's inference client aborted the request {MAX_RESUMES} times in a row")
+        return self.max_generate_length if max_tokens is None else min(max_tokens, self.max_generate_length)
 
-    def _mode(self, trainer: Mapping[str, Any]) -> LogprobMode:
-        params = SamplingParams(
-            temperature=float(trainer.get("temperature", 1.0)),
-            top_p=float(trainer.get("top_p", 1.0)),
-            top_k=max(int(trainer.get("top_k", 0) or 0), 0),
-            min_p=float(trainer.get("min_p", 0.0) or 0.0),
+    async def _images(self, prompt: Sequence[int], images: Sequence[PromptImage], session_id: str | None) -> Any:
+        return await self.features(prompt, images, session_id)
+
+    async def _sample(
+        self,
+        call_id: str | None,
+        prompt: list[int],
+        request: dict[str, Any],
+        episode: SkyRLEpisode | None,
+        images: Any,
+    ) -> Answer:
+        batch: dict[str, Any] = {"prompt_token_ids": [prompt], "sampling_params": request, "session_ids": [call_id]}
+        if images is not None:
+            batch["mm_features"] = [images]
+        before = self._version(episode)
+        output: Mapping[str, Any] = await self._timed(
+            lambda: self.client.generate(batch, model=self.model),
+            episode,
+            "SkyRL's inference_engine_client.generate",
         )
-        return vllm_logprob_mode(params, self.logprobs_mode)
+        after = self._version(episode)
+        return Answer(
+            tokens=[int(token) for token in output["response_ids"][0]],
+            logprobs=(output.get("response_logprobs") or [None])[0],
+            reason=str(output["stop_reasons"][0]),
+            version=after if before is None else before if after is None else min(before, after),
+            straddled=before != after,
+        )
 
     async def features(
         self, prompt: Sequence[int], images: Sequence[PromptImage], session_id: str | None
@@ -230,12 +167,8 @@ class SkyRLEngine:
             body["model"] = self.model
         if session_id:
             body["session_id"] = session_id  # routed where the session's calls go
-        try:
+        with trainer_call("SkyRL's inference_engine_client.render_chat_completion"):
             rendered: Mapping[str, Any] = await render({"json": body})
-        except (asyncio.CancelledError, InvalidRequest):
-            raise
-        except Exception as exc:
-            raise EngineFailure(f"SkyRL's inference_engine_client.render_chat_completion failed: {exc!r}") from exc
         features = rendered.get("features") or {}
         rendered_ids = list(rendered.get("token_ids") or ())
         placeholders = list((features.get("mm_placeholders") or {}).get("image") or ())
@@ -258,41 +191,3 @@ class SkyRLEngine:
             "mm_placeholders": {"image": ranges},
             "kwargs_data": features.get("kwargs_data"),
         }
-
-    async def _call(
-        self,
-        session_id: str | None,
-        prompt: list[int],
-        request: dict[str, Any],
-        episode: _Episode | None,
-        features: dict[str, Any] | None = None,
-    ) -> Mapping[str, Any]:
-        batch: dict[str, Any] = {"prompt_token_ids": [prompt], "sampling_params": request, "session_ids": [session_id]}
-        if features is not None:
-            batch["mm_features"] = [features]
-        started = time.perf_counter()
-        try:
-            output: Mapping[str, Any] = await self.client.generate(batch, model=self.model)
-            return output
-        except (asyncio.CancelledError, InvalidRequest):
-            raise
-        except Exception as exc:  # a server, router or Ray failure: the gateway's engine error
-            raise EngineFailure(f"SkyRL's inference_engine_client.generate failed: {exc!r}") from exc
-        finally:
-            spent = time.perf_counter() - started
-            self.times.record(spent)
-            if episode is not None:
-                episode.seconds += spent
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kind": "skyrl",
-            "model": self._model_id,
-            "tokens_generated": self.tokens_generated,
-            "resumed": self.resumed,
-            "straddled_calls": self.straddled_calls,
-            "episodes_open": len(self._episodes),
-        }
-
-    async def close(self) -> None:
-        return None

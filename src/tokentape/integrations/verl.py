@@ -15,8 +15,9 @@ parameter gets the whole dataset row (`reward_model`, `extra_info`, ...) there.
 
 Each verl worker process holds one gateway, started by its first episode, in process (no port): the
 agent's client calls its ASGI app directly, the gateway renders with the policy's tokenizer and
-samples through the worker's `server_manager` (`tokentape.engines.verl.VerlEngine`: the session id
-is verl's `request_id`, sampling is verl's, each token's version is its server's `global_steps`).
+samples through the worker's `server_manager` (`tokentape.integrations.verl_engine.VerlEngine`: the
+session id is verl's `request_id`, sampling is verl's, each token's version is its server's
+`global_steps`).
 One episode is one session, named `verl-<pid>-<uuid>` so that two workers never collide.
 
 `run` returns the branch that holds the agent's last turn as one `AgentLoopOutput`:
@@ -80,10 +81,11 @@ from typing import Any
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from tokentape.client import InProcessGateway
-from tokentape.engines.verl import VerlEngine
 from tokentape.errors import TokentapeError
 from tokentape.gateway.sessions import check_policy
 from tokentape.integrations.inprocess import TRAINED, in_process_gateway, plain, run_episode
+from tokentape.integrations.trainer_engine import asks_logprobs
+from tokentape.integrations.verl_engine import VerlEngine
 from tokentape.rollout import last_branch, load_agent, rendered_prompt
 from tokentape.runtime import hf_renderer
 
@@ -263,7 +265,7 @@ class TokentapeAgentLoop(AgentLoopBase):
         metrics = AgentLoopMetrics(  # this episode's own, as verl's loops report theirs per sample
             generate_sequences=spent, tool_calls=time.perf_counter() - started - spent, num_preempted=preempted
         )
-        logprobs = bool(sampling_params.get("logprobs"))
+        logprobs = asks_logprobs(sampling_params.get("logprobs"))
         branches = sorted(export.get("branches", ()), key=lambda b: max(b["turn_ids"]))
         if not self.all_branches and branches:
             branches = [last_branch(export)]
