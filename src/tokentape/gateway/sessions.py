@@ -22,9 +22,9 @@ from tokentape.core.session import SessionTree
 from tokentape.core.staleness import session_bound
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import Conflict, InvalidRequest, NotFound, StoreFailure
+from tokentape.store.base import TrajectoryStore
 from tokentape.store.images import IMAGE_CACHE_BYTES, ImageLibrary
-from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
-from tokentape.store.sqlite import PAGE_SIZE, SqliteStore
+from tokentape.store.scan import ANY_SESSION, PAGE_SIZE, SessionFilter, SessionKey, StoredSession
 
 __all__ = [
     "MemoryLimits",
@@ -158,19 +158,22 @@ class MemoryLimits:
 
 
 class SessionRegistry:
-    """Sessions in memory, backed by the store: a session missing from memory is reloaded from it."""
+    """Sessions in memory, backed by the store: a session missing from memory is reloaded from it.
+
+    The registry owns the store it is given: `close` and `aclose` close it (`Gateway.aclose` closes
+    the registry), and nothing else needs to. Tests and throwaway runs pass `SqliteStore(":memory:")`."""
 
     def __init__(
         self,
-        default_policy: RewritePolicy = "tape",
-        store: SqliteStore | None = None,
-        limits: MemoryLimits = MemoryLimits(),
+        store: TrajectoryStore,
         *,
+        default_policy: RewritePolicy = "tape",
+        limits: MemoryLimits = MemoryLimits(),
         match_prefix: bool = False,
     ) -> None:
+        self.store = store
         self.default_policy: RewritePolicy = default_policy
         self.match_prefix = match_prefix  # unnamed chat requests continue the one session they extend
-        self.store = store or SqliteStore(":memory:")
         # image bytes by digest: once in the store, read back through a cache bounded in bytes
         self.images = ImageLibrary(self.store, limits.image_cache_bytes)
         self._limits = limits

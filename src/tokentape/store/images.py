@@ -12,7 +12,7 @@ Where the bytes are, from the moment a request brings an image:
   - in the store once committed, for good: nothing ever deletes an image's row, so dropping the
     cached copy loses nothing, and the next read brings back the same bytes.
 
-A ":memory:" store (`SqliteStore(":memory:")`, what a registry without a store path uses) keeps its
+A ":memory:" store (`SqliteStore(":memory:")`, what a gateway without a store path uses) keeps its
 images table in the process's memory: each distinct image once, as long as the process, as its turns
 are. That is the store there is in that mode: its sessions' trees and this cache are bounded as with a
 store on disk, the table itself is not (nothing in it may be dropped while a session can reload).
@@ -28,7 +28,7 @@ from tokentape.core.bounded import BoundedCache
 from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.errors import StoreFailure
-from tokentape.store.sqlite import SqliteStore
+from tokentape.store.base import TrajectoryStore
 
 __all__ = ["IMAGE_CACHE_BYTES", "IMAGE_ENTRY_BYTES", "ImageLibrary"]
 
@@ -43,7 +43,7 @@ def _size(image: DecodedImage) -> int:
 class ImageLibrary:
     """Reads image bytes by digest: pinned (written, not yet committed), cached, else from the store."""
 
-    def __init__(self, store: SqliteStore, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
+    def __init__(self, store: TrajectoryStore, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
         self.store = store
         self.cache: BoundedCache[str, DecodedImage] = BoundedCache(max_bytes, _size)
         self._pending: dict[str, tuple[DecodedImage, int]] = {}  # digest -> (image, writes holding it)

@@ -19,9 +19,19 @@ import orjson
 from tokentape.core.session import SessionTree
 from tokentape.errors import InvalidRequest
 
-__all__ = ["ANY_SESSION", "SessionFilter", "SessionKey", "StoredSession", "decode_cursor", "encode_cursor", "merge"]
+__all__ = [
+    "ANY_SESSION",
+    "PAGE_SIZE",
+    "SessionFilter",
+    "SessionKey",
+    "StoredSession",
+    "decode_cursor",
+    "encode_cursor",
+    "merge",
+]
 
 SessionKey = tuple[float, str]  # (created_at, session_id): the order every listing and export uses
+PAGE_SIZE = 64  # sessions per read when scanning: bounds the memory of a listing or an export
 
 
 @dataclass(frozen=True, slots=True)

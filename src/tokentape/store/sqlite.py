@@ -37,7 +37,7 @@ from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.errors import StoreFailure
-from tokentape.store.scan import ANY_SESSION, SessionFilter, SessionKey, StoredSession
+from tokentape.store.scan import ANY_SESSION, PAGE_SIZE, SessionFilter, SessionKey, StoredSession
 from tokentape.store.schema import (
     IMAGES,
     SELECT_IMAGE_FACTS,
@@ -59,7 +59,6 @@ T = TypeVar("T")
 log = logging.getLogger("tokentape.store")
 
 Synchronous = Literal["NORMAL", "FULL"]
-PAGE_SIZE = 64  # sessions per read when scanning: bounds the memory of a listing or an export
 
 _SCHEMA = (
     SESSIONS.ddl()
