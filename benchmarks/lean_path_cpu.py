@@ -84,10 +84,11 @@ async def _worker(requests: int) -> dict[str, float]:
     from tokentape.runtime import embedded_model_path, gguf_renderer
     from tokentape.server.app import create_app
     from tokentape.server.heap import settle_for_serving
+    from tokentape.store.sqlite import SqliteStore
 
     renderer = gguf_renderer(embedded_model_path())
     end = renderer.tokenizer.encode(renderer.turn_close)[0]
-    gateway = Gateway(ScriptedEngine([42, 43, 44], end), renderer, SessionRegistry())
+    gateway = Gateway(ScriptedEngine([42, 43, 44], end), renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="m")
     await gateway.start()
     settle_for_serving()  # the collector as `tokentape serve` sets it, so a collection falls on no route by chance

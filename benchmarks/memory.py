@@ -94,7 +94,7 @@ async def finished(total: int, turns: int) -> None:
     renderer = gguf_renderer(embedded_model_path())
     end = renderer.tokenizer.encode(renderer.turn_close)[0]
     with tempfile.TemporaryDirectory() as scratch:
-        registry = SessionRegistry(store=SqliteStore(Path(scratch) / "store.sqlite3"))
+        registry = SessionRegistry(SqliteStore(Path(scratch) / "store.sqlite3"))
         gateway = Gateway(ScriptedEngine(list(range(400, 440)), end), renderer, registry)
         gc.collect()
         start = rss_bytes()

@@ -42,6 +42,7 @@ from tokentape.gateway.service import ChatCall, Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.runtime import embedded_model_path, gguf_renderer, hf_renderer
+from tokentape.store.sqlite import SqliteStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.models import materialise
@@ -141,7 +142,7 @@ def main() -> None:
         for name in args.models:
             renderer = load(name, Path(scratch))
             end = renderer.tokenizer.encode(renderer.turn_close)[0]
-            gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry())
+            gateway = Gateway(ScriptedEngine([42], end), renderer, SessionRegistry(SqliteStore(":memory:")))
             print(f"\nmodel: {name} (bridges from {'the anchor' if renderer.anchor_safe else 'the first message'})")
             print(f"{'history tokens':>15} {'tokentape ms/turn':>18} {'full re-render ms/turn':>23} {'ratio':>8}")
             histories = {length: build_history(gateway, f"bench-{length}", length) for length in args.lengths}

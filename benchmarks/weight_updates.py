@@ -27,6 +27,7 @@ from tokentape.gateway.calls import ChatCall
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import embedded_model_path, gguf_renderer
+from tokentape.store.sqlite import SqliteStore
 
 
 def summary(values: list[float]) -> str:
@@ -43,7 +44,7 @@ async def run(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="tokentape-weights-"))
     adapters = [write_lora(folder / f"a{i}.gguf", seed=i) for i in range(3)]
     engine = LlamaCppEngine(LlamaCppSettings(model_path=model, context_length=2048))
-    gateway = Gateway(engine, gguf_renderer(model), SessionRegistry())
+    gateway = Gateway(engine, gguf_renderer(model), SessionRegistry(SqliteStore(":memory:")))
     version = 0
 
     async def update(**source: Any) -> dict[str, Any]:

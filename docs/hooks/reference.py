@@ -243,9 +243,12 @@ def app_routes() -> tuple[list[Any], list[type], list[str]]:
     from tokentape.runtime import embedded_model_path, gguf_renderer
     from tokentape.server.app import create_app
     from tokentape.server.dialects.registry import DIALECTS
+    from tokentape.store.sqlite import SqliteStore
 
     renderer = gguf_renderer(embedded_model_path())
-    app = create_app(Gateway(ScriptedEngine([], 0), renderer, SessionRegistry()), model_id="model")
+    app = create_app(
+        Gateway(ScriptedEngine([], 0), renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="model"
+    )
     return list(app.routes), list(DIALECTS), list(app.openapi()["paths"])
 
 

@@ -23,6 +23,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.server.middleware import GuardSettings
+from tokentape.store.sqlite import SqliteStore
 
 T = {"authorization": f"Bearer {TRAINER}"}
 
@@ -31,7 +32,9 @@ class Served:
     def __init__(self, engine: LlamaCppEngine, renderer: Renderer) -> None:
         self.loop = asyncio.new_event_loop()
         self.app = create_app(
-            Gateway(engine, renderer, SessionRegistry()), model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER])
+            Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))),
+            model_id=MODEL,
+            guard=GuardSettings(api_keys=[TRAINER]),
         )
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t")
         self.keys = {name: self.run(self._create(name)) for name in ("ep-a", "ep-b")}

@@ -29,7 +29,7 @@ from tokentape.store.sqlite import SqliteStore
 def test_export_writes_the_gateways_rows(
     suffix: str, tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
-    registry = SessionRegistry(store=SqliteStore(tmp_path / "store.sqlite3"))
+    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
     with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
         for session in ("e1", "e2", "e3"):
             httpx.post(f"{url}/sessions", json={"session_id": session, "group_id": "g"}).raise_for_status()
@@ -70,7 +70,7 @@ def test_an_export_that_fails_after_its_first_byte_leaves_no_dataset(
         return real_rows(*args, **kwargs)
 
     monkeypatch.setattr(store_export, "format_rows", failing_rows)
-    registry = SessionRegistry(store=SqliteStore(path))
+    registry = SessionRegistry(SqliteStore(path))
     engine = ScriptedEngine([5], end_of_turn=2)
     with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
         out = tmp_path / f"batch{suffix}"
@@ -92,7 +92,9 @@ def test_export_and_view_reach_a_gateway_with_trainer_keys(
 
     guard = GuardSettings(api_keys=["cli-trainer-key"])
     trainer = {"authorization": "Bearer cli-trainer-key"}
-    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL_NAME, guard=guard)
+    app = create_app(
+        Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME, guard=guard
+    )
     with serving(app) as url:  # type: ignore[arg-type]
         httpx.post(f"{url}/sessions", json={"session_id": "k1"}, headers=trainer).raise_for_status()
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "k1"}], "max_tokens": 2}

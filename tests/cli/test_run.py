@@ -22,6 +22,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 TOKENTAPE = Path(sys.executable).with_name("tokentape")
 
@@ -50,7 +51,9 @@ AGENT = textwrap.dedent(
 @pytest.fixture
 def gateway_url(renderer: Renderer) -> Iterator[str]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    gateway = Gateway(ScriptedEngine(renderer.tokenizer.encode("Ok."), end), renderer, SessionRegistry())
+    gateway = Gateway(
+        ScriptedEngine(renderer.tokenizer.encode("Ok."), end), renderer, SessionRegistry(SqliteStore(":memory:"))
+    )
     with serving(create_app(gateway, model_id=MODEL_NAME)) as url:
         yield url
 

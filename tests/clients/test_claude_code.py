@@ -32,6 +32,7 @@ from tokentape.server import auth
 from tokentape.server.app import create_app
 from tokentape.server.dialects.registry import shape_for_path
 from tokentape.server.errors import ANTHROPIC_ERRORS
+from tokentape.store.sqlite import SqliteStore
 
 MODEL = "qwen"
 BETAS = [
@@ -156,7 +157,7 @@ def _served(tmp_path: Path, family: str, context_length: int = 1 << 20, *, clip:
     renderer = hf_renderer(materialise(family, tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = RecordingEngine(end, context_length=context_length)
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     gateway.clip_max_tokens = clip
     app = create_app(gateway, model_id=MODEL)
     with serving(app) as url:

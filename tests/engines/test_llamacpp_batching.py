@@ -31,6 +31,7 @@ from tokentape.gateway.calls import ChatCall, ChoiceDone, Event
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
+from tokentape.store.sqlite import SqliteStore
 
 pytest.importorskip("gguf")
 from tokentape.train.weights import f32_gguf
@@ -268,7 +269,7 @@ async def test_a_weight_update_lands_on_a_whole_batch_at_a_token_boundary(
     adapter = write_lora(tmp_path / "adapter.gguf", seed=0)
     k, count = 2, 6
     holding = Holding(batching, 3, k)
-    gateway = Gateway(holding, renderer, SessionRegistry())  # type: ignore[arg-type]
+    gateway = Gateway(holding, renderer, SessionRegistry(SqliteStore(":memory:")))  # type: ignore[arg-type]
 
     async def turn(question: str, session: str) -> list[Event]:
         call = ChatCall(

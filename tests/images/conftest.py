@@ -159,7 +159,7 @@ async def open_app(
     renderer: Renderer, url: str, engine: Engine, store: Path, limits: ImageLimits | None = None
 ) -> tuple[Gateway, httpx.AsyncClient]:
     router = Router([VLLMGenerateEngine(url)], vocab_size=renderer.tokenizer.vocab_size)
-    registry = SessionRegistry("tape", SqliteStore(store))
+    registry = SessionRegistry(SqliteStore(store))
     gateway = Gateway(router, renderer, registry)
     await gateway.start()
     app = create_app(gateway, model_id=MODEL, image_limits=limits)

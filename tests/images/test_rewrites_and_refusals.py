@@ -21,6 +21,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.server.dialects.images import ImageLimits
+from tokentape.store.sqlite import SqliteStore
 
 RED, ORANGE = (200, 30, 30), (220, 120, 20)
 
@@ -193,7 +194,7 @@ async def test_a_text_only_model_says_it_has_no_vision(http: httpx.AsyncClient) 
 async def test_the_embedded_engine_refuses_images_before_anything_is_recorded(
     engine: LlamaCppEngine, vl_renderer: Renderer
 ) -> None:
-    gateway = Gateway(engine, vl_renderer, SessionRegistry())
+    gateway = Gateway(engine, vl_renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="m")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         response = await post(http, "embedded", [user("x", png(RED))])

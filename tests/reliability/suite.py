@@ -430,7 +430,7 @@ async def soak(
     sampled per batch. Sessions are finished and may be evicted from memory: the store keeps them."""
     renderer = gguf_renderer(embedded_model_path())
     engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), renderer.tokenizer.encode("<|im_end|>")[0])
-    registry = SessionRegistry(store=SqliteStore(tmp / "soak.sqlite3"), limits=MemoryLimits(max_sessions=500))
+    registry = SessionRegistry(SqliteStore(tmp / "soak.sqlite3"), limits=MemoryLimits(max_sessions=500))
     app = create_app(Gateway(engine, renderer, registry), model_id=MODEL)
     samples: list[tuple[int, int, int]] = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

@@ -86,7 +86,7 @@ Slow = tuple[str, SlowStore, threading.Event]  # the gateway's URL, its store, "
 @pytest.fixture
 def slow(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> Iterator[Slow]:
     store = SlowStore(tmp_path / "store.sqlite3")
-    app = NoticesDisconnects(create_app(Gateway(engine, renderer, SessionRegistry(store=store)), model_id=MODEL_NAME))
+    app = NoticesDisconnects(create_app(Gateway(engine, renderer, SessionRegistry(store)), model_id=MODEL_NAME))
     with serving(app) as url:  # type: ignore[arg-type]
         yield url, store, app.noticed
     store.gate.set()

@@ -236,7 +236,7 @@ async def test_a_row_that_cannot_be_written_fails_before_the_first_byte_or_ends_
         for node in tree.nodes:
             assert await store.save_turn(tree, node)
     store.close()
-    registry = SessionRegistry(store=SqliteStore(tmp_path / "store.sqlite3"))
+    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
     engine = ScriptedEngine([5], end_of_turn=2)
     app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
     real_rows = store_export.format_rows

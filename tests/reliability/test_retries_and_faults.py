@@ -20,6 +20,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.server.middleware import OPEN_PATHS, GuardSettings
+from tokentape.store.sqlite import SqliteStore
 
 BODY = {
     "model": MODEL_NAME,
@@ -126,7 +127,7 @@ class FlakyEngine:
 
 async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(renderer: Renderer) -> None:
     engine = FlakyEngine(renderer.tokenizer.encode("ok")[0])
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         ok = await http.post("/sessions/f/v1/chat/completions", json=BODY)
@@ -144,7 +145,7 @@ async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(re
 
 
 async def test_overload_answers_429_with_retry_after(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    gateway = Gateway(engine, renderer, SessionRegistry(), max_active=1)
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")), max_active=1)
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         responses = await asyncio.gather(

@@ -39,7 +39,7 @@ async def test_a_retry_replays_only_the_latest_of_two_identical_calls(
 ) -> None:
     gated = GatedEngine(engine)
     store = tmp_path / "store.sqlite3"
-    gateway = Gateway(gated, renderer, SessionRegistry(store=SqliteStore(store)))
+    gateway = Gateway(gated, renderer, SessionRegistry(SqliteStore(store)))
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         first = _ids(await http.post(URL, json=BODY))
@@ -59,7 +59,7 @@ async def test_a_retry_replays_only_the_latest_of_two_identical_calls(
     gateway.sessions.close()
 
     # after a restart the identity comes back from the store
-    restarted = Gateway(gated, renderer, SessionRegistry(store=SqliteStore(store)))
+    restarted = Gateway(gated, renderer, SessionRegistry(SqliteStore(store)))
     app = create_app(restarted, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         assert _ids(await http.post(URL, json=BODY, headers=RETRY)) == second

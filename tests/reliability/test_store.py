@@ -50,7 +50,7 @@ async def test_turns_survive_kill_minus_nine_and_sessions_keep_extending(tmp_pat
 
 async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> None:
     path = tmp_path / "store.sqlite3"
-    registry = SessionRegistry(store=SqliteStore(path))
+    registry = SessionRegistry(SqliteStore(path))
     app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -68,7 +68,7 @@ async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEng
 
 
 async def test_evicted_sessions_reload_and_export(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(store=SqliteStore(":memory:"), limits=MemoryLimits(max_sessions=2))
+    registry = SessionRegistry(SqliteStore(":memory:"), limits=MemoryLimits(max_sessions=2))
     app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for i in range(6):

@@ -22,6 +22,7 @@ from tests.reliability.test_store_writes import _turn
 from tokentape.core.formats import FORMATS, format_rows, samples_of
 from tokentape.core.session import SessionTree
 from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.errors import StoreFailure
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
 from tokentape.render.renderer import Renderer
@@ -55,7 +56,7 @@ async def test_one_corrupt_session_never_breaks_the_others(
     tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
     path = tmp_path / "store.sqlite3"
-    registry = SessionRegistry(store=SqliteStore(path))
+    registry = SessionRegistry(SqliteStore(path))
     async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
         for session in ("good", "orphan", "garbled"):
             await _chat(http, session, 2)
@@ -69,7 +70,7 @@ async def test_one_corrupt_session_never_breaks_the_others(
     db.commit()
     db.close()
 
-    registry = SessionRegistry(store=SqliteStore(path))
+    registry = SessionRegistry(SqliteStore(path))
     async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
         listed = await http.get("/sessions")
         assert listed.status_code == 200
@@ -105,7 +106,7 @@ async def test_one_corrupt_session_never_breaks_the_others(
 
 
 async def test_listing_pages_with_a_cursor(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(store=SqliteStore(":memory:"))
+    registry = SessionRegistry(SqliteStore(":memory:"))
     names = [f"p{i}" for i in range(7)]
     async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
         for name in names:
@@ -136,7 +137,7 @@ async def test_exports_stream_in_pages_and_equal_the_whole_dataset(
     fmt: str, engine: LlamaCppEngine, renderer: Renderer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_export, "SESSIONS_PER_PAGE", 2)
-    registry = SessionRegistry(store=SqliteStore(":memory:"))
+    registry = SessionRegistry(SqliteStore(":memory:"))
     plan = [("a1", "g1", 1), ("b1", None, None), ("a2", "g2", 0.25), ("c1", "g1", None), ("d1", "g2", 0.5)]
     async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
         for session, group, reward in plan:
@@ -185,7 +186,7 @@ async def test_several_stores_merge_into_one_export(tmp_path: Path) -> None:
 
 
 async def test_idle_sessions_leave_memory_on_a_timer_and_running_ones_stay() -> None:
-    registry = SessionRegistry(limits=MemoryLimits(idle_seconds=0.05, evict_every=0.05))
+    registry = SessionRegistry(SqliteStore(":memory:"), limits=MemoryLimits(idle_seconds=0.05, evict_every=0.05))
     await registry.open("idle")
     busy, _ = await registry.open("busy")
     busy.in_flight = 1
@@ -194,3 +195,24 @@ async def test_idle_sessions_leave_memory_on_a_timer_and_running_ones_stay() -> 
     assert registry.in_memory("idle") is None and registry.in_memory("busy") is busy
     assert registry.evicted == 1
     await registry.aclose()
+
+
+async def test_the_registry_closes_the_store_it_was_given(tmp_path: Path) -> None:
+    """The registry owns its store: closing the registry commits what was queued, checkpoints the
+    log into the database file and stops the store's threads; later writes are refused."""
+    path = tmp_path / "store.sqlite3"
+    store = SqliteStore(path)
+    registry = SessionRegistry(store)
+    session, created = await registry.open("kept")
+    assert created
+    await registry.persist(session)
+    threads = {store._writer, store._reader}
+    assert all(thread.is_alive() for thread in threads)
+    await registry.aclose()
+    assert not any(thread.is_alive() for thread in threads)
+    with pytest.raises(StoreFailure, match="closed"):
+        await store.save_session(session.tree)
+    wal = Path(f"{path}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0  # checkpointed: the database file holds every commit
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT id FROM sessions").fetchall() == [("kept",)]

@@ -23,6 +23,7 @@ from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import ChatCall, ChoiceDone, Gateway, Started
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
+from tokentape.store.sqlite import SqliteStore
 
 # The text each template writes right after an assistant reply, read off the templates by hand.
 CLOSES = {
@@ -164,7 +165,7 @@ class Episode:
     @classmethod
     def of(cls, renderer: Renderer, family: str, *, tools: bool = False, policy: str = "tape") -> Episode:
         engine = ScriptedEngine([], 0)
-        gateway = Gateway(engine, renderer, SessionRegistry(policy))  # type: ignore[arg-type]
+        gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"), default_policy=policy))  # type: ignore[arg-type]
         return cls(family, renderer, gateway, engine, tools=[WEATHER] if tools else None)
 
     # -- sampling ------------------------------------------------------------------------------------

@@ -83,10 +83,10 @@ async def test_changed_tools_are_seen_after_the_session_is_reloaded(
     renderer = renderers["qwen2.5"]
     path = tmp_path / "tape.sqlite3"
     ep = Episode.of(renderer, "qwen2.5", tools=True, policy="strict")
-    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry("strict", store=SqliteStore(path)))
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(SqliteStore(path), default_policy="strict"))
     await _first_round(ep)
     await ep.gateway.sessions.aclose()
-    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry("strict", store=SqliteStore(path)))  # a restart
+    ep.gateway = Gateway(ep.engine, renderer, SessionRegistry(SqliteStore(path), default_policy="strict"))  # a restart
     same = Episode(ep.family, renderer, ep.gateway, ep.engine, tools=[WEATHER])
     same.messages, same.replies, same.reply_at, same.options = ep.messages, ep.replies, ep.reply_at, ep.options
     same.calls, same.stops = ep.calls, ep.stops

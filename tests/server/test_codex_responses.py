@@ -28,6 +28,7 @@ from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
 from tokentape.server.app import create_app
 from tokentape.server.dialects import responses_input, responses_output, responses_tools
+from tokentape.store.sqlite import SqliteStore
 
 BASE_PROMPT = "You are a coding agent running in the Codex CLI, a terminal-based coding assistant."
 SKILLS = "<skills_instructions>\n## Skills\nA skill is a set of local instructions.\n</skills_instructions>"
@@ -111,7 +112,7 @@ def served(tmp_path: Path) -> Iterator[tuple[openai.AsyncOpenAI, ScriptedEngine,
     renderer = hf_renderer(materialise("qwen3", tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id="qwen")
+    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="qwen")
     with serving(app) as base:
         sdk = openai.AsyncOpenAI(base_url=f"{base}/sessions/codex/v1", api_key="x", max_retries=0)
         yield sdk, engine, renderer, base

@@ -31,7 +31,7 @@ async def _open(
 ) -> tuple[Gateway, SessionRegistry, httpx.AsyncClient]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), end)
-    registry = SessionRegistry(store=SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=max_bytes))
+    registry = SessionRegistry(SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=max_bytes))
     gateway = Gateway(engine, renderer, registry)
     await gateway.start()
     app = create_app(gateway, model_id=MODEL_NAME)
@@ -183,7 +183,7 @@ async def test_past_the_budget_kept_prompt_texts_go_before_any_session(renderer:
     the budget, and at the budget those texts are dropped, least recently used first, before any
     session leaves memory. The next prompt is then written whole, and true."""
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    registry = SessionRegistry(store=SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=1 << 30))
+    registry = SessionRegistry(SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=1 << 30))
     gateway = Gateway(_Remote(renderer.tokenizer.encode("Fine, thanks."), end), renderer, registry)
     await gateway.start()
     app = create_app(gateway, model_id=MODEL_NAME)

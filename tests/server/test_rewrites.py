@@ -17,6 +17,7 @@ from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 # ChatML that shows an assistant's reasoning only while it is the last message, and marks earlier
 # replies: once a new message follows, the template's rendering of the reply no longer matches the tape.
@@ -36,7 +37,7 @@ STRIPPING_TEMPLATE = (
 @pytest.fixture
 async def stripping_http(engine: LlamaCppEngine, tokenizer: GGUFTokenizer) -> Any:
     renderer = Renderer(ChatTemplate(STRIPPING_TEMPLATE), tokenizer)
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         yield client

@@ -21,6 +21,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.render.tokenizer import Tokenizer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 HI = [{"role": "user", "content": "Name three colours."}]
 LOGPROBS = "message.output_text.logprobs"
@@ -154,7 +155,7 @@ async def test_a_turn_is_named_by_its_id_and_tokens_point_at_it_by_index(rendere
     engine = ScriptedEngine([], end)
     for text in ("Hello there", "Good day", "Fine"):
         engine.push([*renderer.tokenizer.encode(text), end])
-    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id=MODEL_NAME)
+    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         hi = [{"role": "user", "content": "Hi"}]
         base = {"model": MODEL_NAME, "max_tokens": 8}

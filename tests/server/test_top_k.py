@@ -63,7 +63,7 @@ async def handed(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, l
             return super().generate(prompt, params, seed=seed, **options)
 
     engine = Recording(renderer.tokenizer.encode("Fine."), renderer.tokenizer.encode("<|im_end|>")[0])
-    gateway = Gateway(engine, renderer, SessionRegistry(store=SqliteStore(":memory:")))
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         yield http, asked
@@ -126,7 +126,7 @@ async def test_each_remote_engine_is_sent_its_own_off(renderer: Renderer, kind: 
     app_of = sglang_app if kind == "sglang" else vllm_app
     with serving(app_of(state)) as url:
         gateway = Gateway(
-            Router([_remote(kind, url)], vocab_size=VOCAB), renderer, SessionRegistry(store=SqliteStore(":memory:"))
+            Router([_remote(kind, url)], vocab_size=VOCAB), renderer, SessionRegistry(SqliteStore(":memory:"))
         )
         await gateway.start()
         app = create_app(gateway, model_id=MODEL_NAME)

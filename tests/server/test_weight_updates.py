@@ -18,6 +18,7 @@ from tokentape.gateway.calls import ChatCall, ChoiceDone, Event
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
+from tokentape.store.sqlite import SqliteStore
 
 
 def _call(session: str) -> ChatCall:
@@ -49,7 +50,7 @@ async def _waiting_at_the_engine(
 ) -> tuple[GatedEngine, Gateway, asyncio.Task[list[Event]]]:
     """A gateway whose engine holds generations at its gate, and an unstreamed request waiting there."""
     gated = GatedEngine(engine)
-    gateway = Gateway(gated, renderer, SessionRegistry())
+    gateway = Gateway(gated, renderer, SessionRegistry(SqliteStore(":memory:")))
     gated.gate.clear()
     request = asyncio.create_task(_collect(gateway, session))
     await asyncio.wait_for(gated.entered.wait(), 30)

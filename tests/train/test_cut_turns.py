@@ -14,6 +14,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import hf_renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 from tokentape.train.loss import check_sampling, samples_from_export
 
 
@@ -21,7 +22,7 @@ async def test_branches_with_cut_turns_become_samples(tmp_path: Path) -> None:
     renderer = hf_renderer(materialise("qwen3", tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry()), model_id="qwen3")
+    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="qwen3")
     history = [{"role": "user", "content": "Task: count."}]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for turn in range(3):

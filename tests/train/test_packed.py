@@ -32,6 +32,7 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import embedded_model_path
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
 from tokentape.train.packed import PackedBatch, build_packed, packed_groups, packed_loss, packed_token_logprobs
 from tokentape.train.weights import f32_gguf, load_model
@@ -72,7 +73,9 @@ class Recorder:
         self.tokenizer = renderer.tokenizer
         self.end = renderer.tokenizer.encode("<|im_end|>")[0]
         self.engine = ScriptedEngine([], self.end)
-        self.app = create_app(Gateway(self.engine, renderer, SessionRegistry()), model_id=MODEL_NAME)
+        self.app = create_app(
+            Gateway(self.engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME
+        )
 
     def answers(self, *texts: str) -> None:
         for text in texts:

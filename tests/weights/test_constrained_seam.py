@@ -16,6 +16,7 @@ from tokentape.gateway.calls import ChatCall, ChoiceDone, Event
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
+from tokentape.store.sqlite import SqliteStore
 
 SCHEMA = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
 
@@ -37,7 +38,7 @@ async def test_a_constrained_turn_ends_under_its_version_and_the_update_waits_fo
     fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer, adapters: list[Path]
 ) -> None:
     stepper = Stepper(own_engine, hold_after=3)
-    gateway = Gateway(stepper, renderer, SessionRegistry())
+    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
     turn = asyncio.create_task(_run(gateway, _call("c")))
     await asyncio.wait_for(stepper.reached.wait(), 60)
     update = asyncio.create_task(gateway.update_weights(1, lora=str(adapters[0]), in_flight="continue"))

@@ -93,7 +93,7 @@ async def test_a_bad_max_lag_is_a_400_naming_it(
 
 
 def test_the_cli_export_passes_max_lag_on(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(store=SqliteStore(tmp_path / "store.sqlite3"))
+    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
     with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:
         body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
         httpx.post(f"{url}/sessions/early/v1/chat/completions", json=body).raise_for_status()

@@ -21,12 +21,13 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 
 @pytest.fixture
 async def pair(fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer) -> tuple[Gateway, RefusingEngine]:
     stand_in = RefusingEngine()
-    return Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry()), stand_in
+    return Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry(SqliteStore(":memory:"))), stand_in
 
 
 async def test_a_refused_load_leaves_every_engine_on_the_old_weights_and_serves_nothing(
@@ -141,7 +142,7 @@ async def test_an_engine_that_holds_requests_while_paused_is_probed_after_it_res
     own_engine: LlamaCppEngine, renderer: Renderer, fresh: Gateway, adapters: list[Path]
 ) -> None:
     stand_in = HoldsWhilePaused()
-    gateway = Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry())
+    gateway = Gateway(Pool([own_engine, stand_in]), renderer, SessionRegistry(SqliteStore(":memory:")))
     report = await gateway.update_weights(1, lora=str(adapters[0]))
     assert stand_in.steps == ["check", "pause", "load 1", "resume", "generate"]  # the probe, once resumed
     assert report["version"] == 1 and gateway.gate.version == 1 and not gateway.paused

@@ -21,6 +21,7 @@ from tokentape.gateway.calls import ChatCall, ChoiceDone, Event, Started, TextDe
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
+from tokentape.store.sqlite import SqliteStore
 
 K = 3
 MAX_TOKENS = 10
@@ -50,7 +51,7 @@ async def test_a_turn_goes_on_across_an_update_as_one_reply(
     mode: str,
 ) -> None:
     stepper = Stepper(own_engine, hold_after=K)
-    gateway = Gateway(stepper, renderer, SessionRegistry())
+    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
     turn = asyncio.create_task(_run(gateway, _call("t"), streamed))
     await asyncio.wait_for(stepper.reached.wait(), 60)
     report = await gateway.update_weights(1, lora=str(adapters[0]), in_flight=mode)
@@ -96,7 +97,7 @@ async def test_a_turn_cut_after_its_last_token_ends_instead_of_going_on(
     """At max_tokens a turn only waits for the engine to say it is done; an update cutting it then
     ends it (finish reason length) and generates nothing more."""
     stepper = Stepper(own_engine, hold_after=K)
-    gateway = Gateway(stepper, renderer, SessionRegistry())
+    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
     turn = asyncio.create_task(_run(gateway, _call("last", max_tokens=K), True))
     await asyncio.wait_for(stepper.reached.wait(), 60)
     await gateway.update_weights(1, lora=str(adapters[0]))
@@ -111,7 +112,7 @@ async def test_abort_ends_the_turn_at_the_update(
     fresh: Gateway, own_engine: LlamaCppEngine, renderer: Renderer, adapters: list[Path]
 ) -> None:
     stepper = Stepper(own_engine, hold_after=K)
-    gateway = Gateway(stepper, renderer, SessionRegistry())
+    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
     turn = asyncio.create_task(_run(gateway, _call("a"), True))
     await asyncio.wait_for(stepper.reached.wait(), 60)
     update = asyncio.create_task(gateway.update_weights(1, lora=str(adapters[0]), in_flight="abort"))
@@ -180,7 +181,7 @@ async def test_the_real_sdk_gets_one_stream_across_an_update(
     from tokentape.server.app import create_app
 
     stepper = Stepper(own_engine, hold_after=K)
-    gateway = Gateway(stepper, renderer, SessionRegistry())
+    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="smollm2")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         sdk = openai.AsyncOpenAI(base_url="http://t/sessions/sdk/v1", api_key="x", http_client=http, max_retries=0)

@@ -12,6 +12,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 
 class SlowLoad(RefusingEngine):
@@ -30,7 +31,7 @@ class SlowLoad(RefusingEngine):
 
 async def test_a_pause_sent_while_an_update_runs_stays_after_it(renderer: Renderer) -> None:
     engine = SlowLoad()
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         update = asyncio.create_task(admin.post("/admin/weights", json={"version": 1, "engine_managed": True}))
@@ -47,7 +48,7 @@ async def test_a_pause_sent_while_an_update_runs_stays_after_it(renderer: Render
 
 
 async def test_resume_cannot_move_the_version_back(renderer: Renderer) -> None:
-    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry())
+    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         assert (await admin.post("/admin/weights", json={"version": 4, "engine_managed": True})).status_code == 200

@@ -17,6 +17,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -25,7 +26,9 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], 
 async def pool(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway, Stand, str]]:
     first, late = Stand("vllm"), Stand("vllm")
     with serving(first.app()) as first_url, serving(late.app()) as late_url:
-        gateway = Gateway(Router([VLLMEngine(first_url)], vocab_size=49152), renderer, SessionRegistry())
+        gateway = Gateway(
+            Router([VLLMEngine(first_url)], vocab_size=49152), renderer, SessionRegistry(SqliteStore(":memory:"))
+        )
         await gateway.start()
         app = create_app(gateway, model_id="fake-model")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

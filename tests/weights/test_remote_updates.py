@@ -18,6 +18,7 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -27,7 +28,7 @@ async def pool(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, Sta
     vllm, sglang = Stand("vllm"), Stand("sglang", version="0.5.9")
     with serving(vllm.app()) as vllm_url, serving(sglang.app()) as sglang_url:
         router = Router([VLLMEngine(vllm_url), SGLangEngine(sglang_url)], vocab_size=49152)
-        gateway = Gateway(router, renderer, SessionRegistry())
+        gateway = Gateway(router, renderer, SessionRegistry(SqliteStore(":memory:")))
         await gateway.start()
         app = create_app(gateway, model_id="fake-model")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

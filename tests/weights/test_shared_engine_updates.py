@@ -11,11 +11,12 @@ from tokentape.gateway.sessions import SessionRegistry
 from tokentape.ray.actors import SharedEngineUpdates
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
+from tokentape.store.sqlite import SqliteStore
 
 
 async def test_an_update_over_shared_remote_engines_is_refused_and_changes_nothing(renderer: Renderer) -> None:
     engine = RefusingEngine(loads_ok=10)
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     gateway.updates = SharedEngineUpdates(gateway.gate, gateway.engines, [])
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:

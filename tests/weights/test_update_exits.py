@@ -18,6 +18,7 @@ from tokentape.gateway.updates import WeightUpdate
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
 from tokentape.server.middleware import GuardSettings
+from tokentape.store.sqlite import SqliteStore
 
 
 class FailsTheNewVersion(RefusingEngine):
@@ -54,7 +55,7 @@ class LoadsForever(RefusingEngine):
 
 async def test_a_rollback_keeps_an_operators_pause(renderer: Renderer) -> None:
     engine = FailsTheNewVersion()
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         failed = await admin.post("/admin/weights", json={"version": 1, "model": "/weights/new.gguf"})
@@ -70,7 +71,7 @@ async def test_a_rollback_keeps_an_operators_pause(renderer: Renderer) -> None:
 
 
 async def test_a_rollback_without_a_pause_releases_generation(renderer: Renderer) -> None:
-    gateway = Gateway(FailsTheNewVersion(), renderer, SessionRegistry())
+    gateway = Gateway(FailsTheNewVersion(), renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         await admin.post("/admin/weights", json={"version": 1, "model": "/weights/new.gguf"})
@@ -82,7 +83,7 @@ async def test_a_rollback_without_a_pause_releases_generation(renderer: Renderer
 
 async def test_a_cancelled_update_leaves_every_engine_resumed(renderer: Renderer) -> None:
     engine = LoadsForever()
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     update = asyncio.create_task(gateway.updates.update(_update(1)))
     await asyncio.wait_for(engine.loading.wait(), 10)
     assert engine.paused
@@ -98,7 +99,7 @@ async def test_a_cancelled_update_leaves_every_engine_resumed(renderer: Renderer
 
 
 async def test_a_path_no_file_can_have_is_a_400_naming_it(renderer: Renderer) -> None:
-    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry())
+    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in", guard=GuardSettings(weights_dirs=[Path("/weights")]))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         for path in ("/weights/a\0b.gguf", "/weights/" + "x" * 5000):
@@ -136,7 +137,7 @@ async def test_the_file_checked_is_the_file_loaded(renderer: Renderer, tmp_path:
     link = allowed / "latest.gguf"
     link.symlink_to(inside)
     engine = SwapsTheLink(link, outside)
-    gateway = Gateway(engine, renderer, SessionRegistry())
+    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
     app = create_app(gateway, model_id="stand-in", guard=GuardSettings(weights_dirs=[allowed]))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         done = await admin.post("/admin/weights", json={"version": 1, "lora": str(link)})
