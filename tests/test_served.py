@@ -52,6 +52,7 @@ EVERY_FIELD_SET = ServeSpec(
     images=ImageLimits(allow_fetch=True, fetch_networks=("10.0.0.0/8",)),
     prompt_token_ids="asked",
     drain_seconds=5,
+    keep_alive_seconds=20,
     log_level="warning",
     ray=RayOptions("auto", 3, "/shards", "train", 16, 2),
 )
@@ -99,6 +100,7 @@ def test_keys_stay_out_of_the_specs_repr() -> None:
         ({"connections": ConnectionLimits(body_seconds=-1)}, "--body-timeout"),
         ({"connections": ConnectionLimits(send_seconds=0)}, "--send-timeout"),
         ({"drain_seconds": -1}, "--drain-seconds"),
+        ({"keep_alive_seconds": 0}, "--keep-alive-seconds"),
         ({"staleness": Staleness(max_staleness=-1)}, "--max-staleness"),
         ({"staleness": Staleness(admit_per_version=0)}, "--admit-per-version"),
         ({"staleness": Staleness(admission_wait=-0.5)}, "--admission-wait"),
@@ -149,6 +151,7 @@ def test_the_cli_builds_the_spec_it_is_given(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(serve, "_serve_here", seen.append)
     options = ["--api-key", "flag-key", "--max-headers", "12", "--send-timeout", "4", "--admission-wait", "2"]
     options += ["--allow-image-urls", "--image-url-network", "10.0.0.0/8", "--rewrite-policy", "fork"]
+    options += ["--keep-alive-seconds", "30"]
     result = CliRunner().invoke(cli, ["serve", "--store", ":memory:", *options])
     assert result.exit_code == 0, result.output
     (spec,) = seen
@@ -157,6 +160,7 @@ def test_the_cli_builds_the_spec_it_is_given(monkeypatch: pytest.MonkeyPatch) ->
     assert spec.staleness == Staleness(None, None, 2.0)
     assert spec.images.fetch_networks == ("10.0.0.0/8",) and spec.images.allow_fetch
     assert spec.rewrite_policy == "fork" and spec.ray is None
+    assert spec.uvicorn_options()["timeout_keep_alive"] == 30  # what uvicorn is given
 
 
 class _Updates(WeightUpdater):

@@ -40,17 +40,11 @@ if TYPE_CHECKING:
     from tokentape.render.renderer import Renderer
     from tokentape.store.base import TrajectoryStore
 
-__all__ = ["KEEP_ALIVE_SECONDS", "RayOptions", "ServeSpec", "Served", "SpecError", "build_served"]
+__all__ = ["RayOptions", "ServeSpec", "Served", "SpecError", "build_served"]
 
 SWITCHES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 PROMPT_TOKEN_IDS = ("always", "asked")
 SESSION_KEYS = ("optional", "required")
-
-# How long an idle client connection stays open (uvicorn's default is 5 s). Longer than clients keep
-# theirs idle (httpx, under the openai SDK: 5 s; aiohttp: 15 s): a server that closes first races a
-# client reusing the connection at that moment, and the request fails with a connection error. A busy
-# agent's event loop can leave its connections idle for seconds between calls.
-KEEP_ALIVE_SECONDS = 75
 
 
 class SpecError(ValueError):
@@ -110,6 +104,11 @@ class ServeSpec:
     )  # heads, slow heads and bodies, clients that stop reading
     weights_dirs: tuple[Path, ...] | None = None  # where POST /admin/weights may load from; None: anywhere
     images: ImageLimits = field(default_factory=ImageLimits)
+    # How long an idle client connection stays open (uvicorn's default is 5 s). Longer than clients keep
+    # theirs idle (httpx, under the openai SDK: 5 s; aiohttp: 15 s): a server that closes first races a
+    # client reusing the connection at that moment, and the request fails with a connection error. A
+    # busy agent's event loop can leave its connections idle for seconds between calls.
+    keep_alive_seconds: int = 75
     prompt_token_ids: str = "always"  # always, asked
     # the process
     drain_seconds: int = 30
@@ -133,6 +132,7 @@ class ServeSpec:
             (self.connections.max_header_bytes, 1, "--max-header-bytes"),
             (self.connections.max_headers, 1, "--max-headers"),
             (self.drain_seconds, 0, "--drain-seconds"),
+            (self.keep_alive_seconds, 1, "--keep-alive-seconds"),
         ):
             if value < least:
                 raise SpecError(option, f"must be {least} or more")
@@ -197,7 +197,7 @@ class ServeSpec:
             "loop": "uvloop",
             "http": bounded_protocol(self.connections),
             "proxy_headers": False,  # nothing reads the client address; one ASGI layer less per request
-            "timeout_keep_alive": KEEP_ALIVE_SECONDS,
+            "timeout_keep_alive": self.keep_alive_seconds,
             "timeout_graceful_shutdown": self.drain_seconds,
         }
 

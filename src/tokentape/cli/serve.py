@@ -159,6 +159,9 @@ def serve(
     drain_seconds: Annotated[
         int, typer.Option(help="On SIGTERM, how long in-flight requests may finish before the store is closed.")
     ] = 30,
+    keep_alive_seconds: Annotated[
+        int, typer.Option(help="How long an idle client connection stays open (past the clients' own, 5-15 s).")
+    ] = 75,
     match_prefix: Annotated[
         bool,
         typer.Option(
@@ -264,6 +267,7 @@ def serve(
             images=ImageLimits(allow_fetch=allow_image_urls, fetch_networks=tuple(image_url_network or ())),
             prompt_token_ids=prompt_token_ids,
             drain_seconds=drain_seconds,
+            keep_alive_seconds=keep_alive_seconds,
             log_level=log_level.lower(),
             ray=None if ray is None else RayOptions(ray, gateways, store_dir, trajectory_queue),
         )
