@@ -1,7 +1,12 @@
 """No import circle in `src/tokentape`, counting every import a module makes: at its top, inside a
 function (a lazy import only hides a circle until it runs), but not under `TYPE_CHECKING`. Computed
 from the source with `ast` (Tarjan's strongly connected components), so a new circle fails here
-whatever imports first at run time."""
+whatever imports first at run time.
+
+And the layering rule on the arrows that remain, counting type-only imports too: `render/` imports
+nothing from `engines/` (what both need lives in `formats/` and `native.py`), and `gateway/` names no
+engine or store class, only their interfaces (`engines/base.py`, `engines/weights.py`, `store/base.py`)
+and the store's value types; which engine and which store is the assembling code's choice."""
 
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The modules of the package that `name` imports anywhere outside a TYPE_CHECKING block."""
+def _imported(name: str, path: Path, modules: dict[str, Path], *, type_only: bool = False) -> set[str]:
+    """The modules of the package that `name` imports anywhere outside a TYPE_CHECKING block (and
+    inside one too with `type_only`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
 
@@ -40,7 +46,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if not type_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import | ast.ImportFrom):
                 for target in targets(child):
@@ -106,3 +112,66 @@ def test_no_module_of_the_package_imports_itself_round_a_circle() -> None:
     graph = {name: _imported(name, path, modules) for name, path in modules.items()}
     assert len(graph) > 100 and graph["tokentape.server.app"]  # the whole package, with its imports read
     assert _circles(graph) == []
+
+
+# What each layer may import from the package (a module, or every module under a package); the rest
+# of `tokentape` is out of bounds for it.
+MAY_IMPORT = {
+    "tokentape.render": (
+        "tokentape.render",
+        "tokentape.core",
+        "tokentape.errors",
+        "tokentape.formats",  # the GGUF header, shared with the embedded engine
+        "tokentape.native",  # llama-cpp-python, loaded the one way the embedded engine loads it
+    ),
+    "tokentape.gateway": (
+        "tokentape.gateway",
+        "tokentape.core",
+        "tokentape.errors",
+        "tokentape.metrics",
+        "tokentape.formats",  # GBNF, the grammar a tool-call constraint is written in
+        "tokentape.render",  # the renderer is the gateway's own: it alone tokenizes text
+        "tokentape.engines.base",  # the Engine and EnginePool protocols and their values
+        "tokentape.engines.weights",  # the weight-update seam every engine that takes updates offers
+        "tokentape.store.base",  # the TrajectoryStore protocol
+        "tokentape.store.scan",  # the values a store's listing is read in (filters, keys, pages)
+        "tokentape.store.images",  # image bytes by digest, cached over any TrajectoryStore
+    ),
+}
+
+
+def _out_of_bounds(graph: dict[str, set[str]], layer: str, allowed: tuple[str, ...]) -> list[str]:
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if inside(name, layer)
+        for target in targets
+        if not any(inside(target, package) for package in allowed)
+    )
+
+
+def test_the_finder_sees_an_arrow_out_of_bounds() -> None:
+    graph = {
+        "tokentape.render.a": {"tokentape.render.b", "tokentape.engines.gbnf"},
+        "tokentape.render": {"tokentape.core.x"},
+        "tokentape.gateway.c": {"tokentape.engines.base", "tokentape.engines.router", "tokentape.store"},
+        "tokentape.renderer": {"tokentape.engines.x"},  # another package whose name starts alike
+    }
+    assert _out_of_bounds(graph, "tokentape.render", MAY_IMPORT["tokentape.render"]) == [
+        "tokentape.render.a -> tokentape.engines.gbnf"
+    ]
+    assert _out_of_bounds(graph, "tokentape.gateway", MAY_IMPORT["tokentape.gateway"]) == [
+        "tokentape.gateway.c -> tokentape.engines.router",
+        "tokentape.gateway.c -> tokentape.store",  # the package: whatever it exports is a concrete class
+    ]
+
+
+def test_each_layer_imports_only_what_it_may() -> None:
+    modules = _modules()
+    graph = {name: _imported(name, path, modules, type_only=True) for name, path in modules.items()}
+    assert graph["tokentape.render.tokenizer"] and graph["tokentape.gateway.service"]  # their imports were read
+    out_of_bounds = {layer: _out_of_bounds(graph, layer, allowed) for layer, allowed in MAY_IMPORT.items()}
+    assert out_of_bounds == {layer: [] for layer in MAY_IMPORT}
