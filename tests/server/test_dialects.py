@@ -17,7 +17,13 @@ from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.server.app import create_app
-from tokentape.server.dialects import anthropic, responses_history, responses_input, responses_output
+from tokentape.server.dialects import (
+    anthropic_input,
+    anthropic_output,
+    responses_history,
+    responses_input,
+    responses_output,
+)
 from tokentape.server.dialects.responses_input import LOGPROBS_INCLUDE
 from tokentape.store.sqlite import SqliteStore
 
@@ -60,7 +66,7 @@ async def test_anthropic_stream_events_are_the_sdks_types(http: httpx.AsyncClien
     assert response.status_code == 200
     events = _events(response.text)
     for name, event in events:
-        anthropic.check_event(event)
+        anthropic_output.check_event(event)
         assert name == event["type"]
     kinds = [e["type"] for _, e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
@@ -115,7 +121,7 @@ def test_anthropic_blocks_become_chat_messages() -> None:
             ],
         },
     ]
-    assert anthropic.chat_messages([{"type": "text", "text": "Be brief."}], messages) == [
+    assert anthropic_input.chat_messages([{"type": "text", "text": "Be brief."}], messages) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
         {
@@ -329,7 +335,7 @@ async def test_no_sdk_validation_runs_on_a_recorded_turn(
             raise AssertionError("validated on the serving path")
 
     monkeypatch.setattr(responses_output, "Response", Refuses)
-    monkeypatch.setattr(anthropic, "AnthropicMessage", Refuses)
+    monkeypatch.setattr(anthropic_output, "AnthropicMessage", Refuses)
     if route == "responses":
         body: dict[str, Any] = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3}
     else:
@@ -338,11 +344,11 @@ async def test_no_sdk_validation_runs_on_a_recorded_turn(
     assert response.status_code == 200, response.text
     assert "event: error" not in response.text
     with pytest.raises(AssertionError):  # the tests' own checks do use the SDK's types
-        (responses_output.check_response if route == "responses" else anthropic.check_message)({})
+        (responses_output.check_response if route == "responses" else anthropic_output.check_message)({})
 
 
 async def test_whole_bodies_are_the_sdks_types(http: httpx.AsyncClient) -> None:
     body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4, "include": [LOGPROBS_INCLUDE]}
     responses_output.check_response((await http.post("/v1/responses", json=body)).json())
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
-    anthropic.check_message((await http.post("/v1/messages", json=body)).json())
+    anthropic_output.check_message((await http.post("/v1/messages", json=body)).json())

@@ -26,12 +26,8 @@ from tokentape.metrics import CONTENT_TYPE
 from tokentape.render.renderer import RenderOptions
 from tokentape.server.admin import add_admin_routes
 from tokentape.server.bodies import json_object
-from tokentape.server.dialects.anthropic import (
-    COUNT_TOKENS_PATH,
-    AnthropicMessages,
-    CountTokensRequest,
-    count_tokens_route,
-)
+from tokentape.server.dialects.anthropic import COUNT_TOKENS_PATH, AnthropicMessages, count_tokens_route
+from tokentape.server.dialects.anthropic_input import CountTokensRequest
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.server.dialects.registry import DIALECTS, shape_for_path
 from tokentape.server.errors import handle_error, install_error_handlers, invalid_from_validation
