@@ -213,3 +213,6 @@ async def test_an_episode_whose_first_request_does_not_fit_returns_its_prompt_un
     assert result["extra_logs"]["tokentape_context_full"] == 1.0 and result["extra_logs"]["tokentape_turns"] == 0
     summary = (await executor.gateway.http.get(f"/sessions/{result['session_id']}")).json()
     assert summary["metadata"]["status"] == "context_full" and summary["turns"] == 0
+    # no `logprobs` in the trainer's sampling: none asked for, none returned (0 above asks for the sampled token's)
+    bare = await executor.execute(question, "Paris", SamplingParams(temperature=0.0), tiny, hf_tokenizer, llm)
+    assert bare["rollout_log_probs"] is None and bare["observation_tokens"] == expected

@@ -49,6 +49,7 @@ from tokentape.engines.remote.wire import engine_top_k
 from tokentape.errors import EngineFailure, InvalidRequest
 from tokentape.gateway.sessions import MemoryLimits, check_policy
 from tokentape.integrations.inprocess import in_process_gateway
+from tokentape.integrations.trainer_engine import asks_logprobs
 from tokentape.rollout import context_overflow, rendered_prompt
 from tokentape.runtime import hf_renderer
 
@@ -268,7 +269,7 @@ def agent_executor(
             else:
                 branch = max(branches, key=lambda b: max(b["turn_ids"]))  # the one holding the last turn
             logprobs = None
-            if getattr(sampling_params, "logprobs", None) is not None:
+            if asks_logprobs(getattr(sampling_params, "logprobs", None)):  # vLLM's count, 0 included
                 logprobs = [0.0 if lp is None else lp for lp in branch["logprobs"]]
             return {
                 "prompt": prompt,
