@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -149,7 +150,7 @@ E = TypeVar("E", bound=Episode)
 T = TypeVar("T")
 
 
-class TrainerEngine(Generic[E]):
+class TrainerEngine(ABC, Generic[E]):
     """The resume loop, the episodes, the counts and the description; a trainer's adapter names its
     servers and gives `_episode`, `_budget`, `_images` and `_sample`."""
 
@@ -178,8 +179,8 @@ class TrainerEngine(Generic[E]):
         return self._model_id
 
     @property
-    def context_length(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def context_length(self) -> int: ...
 
     def open_episode(self, session_id: str, sampling_params: Mapping[str, Any]) -> None:
         """The trainer's sampling parameters for this session's calls."""
@@ -263,27 +264,27 @@ class TrainerEngine(Generic[E]):
             if episode is not None:
                 episode.seconds += spent
 
+    @abstractmethod
     def _episode(self, sampling: dict[str, Any]) -> E:
         """A new episode of the adapter's own type."""
-        raise NotImplementedError
 
     def _call_id(self, session_id: str | None) -> str | None:
         """What names every call of one generation to the trainer (its routing key)."""
         return session_id
 
+    @abstractmethod
     def _budget(self, session_id: str | None, prompt_length: int, max_tokens: int | None) -> int:
         """Tokens this generation may sample (`ContextOverflow` where none)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _images(self, prompt: Sequence[int], images: Sequence[PromptImage], session_id: str | None) -> Any:
         """A prompt's images as the trainer's servers take them (given to every `_sample`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _sample(
         self, call_id: str | None, prompt: list[int], request: dict[str, Any], episode: E | None, images: Any
     ) -> Answer:
         """One call to the trainer's servers (through `_timed`), its answer read out."""
-        raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
         return {
