@@ -110,7 +110,12 @@ def test_logprobs_asked_as_verl_and_skyrl_mean_it(value: Any, asked: bool) -> No
 
 @pytest.mark.parametrize(
     ("sampling", "param"),
-    [({"temperature": 2.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"temperature": "hot"}, "temperature")],
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),  # as vLLM refuses it
+        ({"temperature": "hot"}, "temperature"),
+    ],
     ids=str,
 )
 def test_a_value_out_of_range_is_refused_by_name(sampling: dict[str, Any], param: str) -> None:

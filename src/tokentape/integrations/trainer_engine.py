@@ -30,7 +30,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mappi
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-from tokentape.core.sampling import SamplingParams
+from tokentape.core.sampling import SamplingParams, request_top_k
 from tokentape.engines.base import Constraint, PromptImage, SampledToken, vllm_logprob_mode
 from tokentape.errors import EngineFailure, EngineProtocolError, InvalidRequest
 
@@ -75,8 +75,9 @@ class TrainerSampling:
 def trainer_sampling(sampling: Mapping[str, Any]) -> TrainerSampling:
     """verl's and SkyRL's sampling dicts (vLLM's names; SGLang's `max_new_tokens`) as tokentape's
     sampling. A key that is missing or None takes vLLM's default; `top_k` -1 and 0 are both no top-k
-    cut. The keys in `SET_PER_CALL` are the engine's to set per call and dropped; any other key the
-    trainer sets goes to its servers untouched. A value out of range is an `InvalidRequest`."""
+    cut (`request_top_k`, as in a request). The keys in `SET_PER_CALL` are the engine's to set per
+    call and dropped; any other key the trainer sets goes to its servers untouched. A value out of
+    range is an `InvalidRequest`."""
 
     def number(name: str, default: float) -> float:
         value = sampling.get(name)
@@ -88,7 +89,7 @@ def trainer_sampling(sampling: Mapping[str, Any]) -> TrainerSampling:
     params = SamplingParams(
         temperature=number("temperature", 1.0),
         top_p=number("top_p", 1.0),
-        top_k=max(int(number("top_k", 0.0)), 0),
+        top_k=request_top_k(int(number("top_k", 0.0))),
         min_p=number("min_p", 0.0),
         stop_token_ids=tuple(sorted({int(t) for t in sampling.get("stop_token_ids") or ()})),
     )
