@@ -104,3 +104,29 @@ def test_the_kept_copy_loads_the_very_model_the_gguf_loader_made(
     assert not getattr(again, "is_quantized", False) and not hasattr(again.config, "quantization_config")
     assert not again.training
     np.testing.assert_array_equal(trainer_logprobs(from_gguf), trainer_logprobs(again))
+
+
+def test_a_gguf_load_parses_the_file_once_and_gets_what_fresh_parses_give(tmp_path: Path) -> None:
+    """`load_model`'s first load shares one reader per file and one tensor-name map per architecture
+    (transformers would build them again for every tensor), within that load only."""
+    from tokentape.train.weights import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    arch = gguf.MODEL_ARCH.LLAMA
+    with _gguf_parsed_once():
+        shared = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is shared  # parsed once, whichever way the path is given
+        name_map = gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30) is name_map
+        assert gguf.get_tensor_name_map(arch, 2) is not name_map
+    fresh = gguf.GGUFReader(str(path))
+    assert fresh is not shared and gguf.get_tensor_name_map(arch, 30) is not name_map  # only within the load
+    assert [(t.name, t.data.tobytes()) for t in shared.tensors] == [(t.name, t.data.tobytes()) for t in fresh.tensors]
+    assert name_map.mapping == gguf.get_tensor_name_map(arch, 30).mapping

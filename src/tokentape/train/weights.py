@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +114,11 @@ def f32_gguf(source: Path, target_dir: Path | None = None) -> Path:
 def load_model(path: Path) -> Any:
     """The causal LM in a GGUF, dequantized to float32, in eval mode (no dropout in this model).
 
-    transformers' GGUF loader takes about a minute for the embedded 135M model on this 2-core
-    machine (it parses the file's metadata twice and rebuilds gguf's tensor-name map for every
-    tensor; the dequantizing is 2 s), so the dequantized model is kept once as a safetensors copy
-    (`hf_copy`), keyed by the file's bytes and the transformers version, which loads in under a second:
-    float32 tensors written and read back are the same bits."""
+    transformers' GGUF loader parses the file's metadata twice and rebuilds gguf's tensor-name map
+    for every tensor (the dequantizing itself is 2 s); `_gguf_parsed_once` shares both within the
+    load. The dequantized model is then kept as a safetensors copy (`hf_copy`), keyed by the file's
+    bytes and the transformers version, which loads in under a second: float32 tensors written and
+    read back are the same bits."""
     import torch
     import transformers
 
@@ -124,9 +126,10 @@ def load_model(path: Path) -> Any:
     if (copy / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.float32)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        with _gguf_parsed_once():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
         # the weights are dequantized float32 tensors: nothing of the file's quantization remains, but the
         # loader marks the model as GGUF-quantized, which trainers (transformers' Trainer) refuse to train
         model.hf_quantizer = None  # type: ignore[assignment]
@@ -136,6 +139,33 @@ def load_model(path: Path) -> Any:
         _keep(model, copy)
     model.eval()  # type: ignore[no-untyped-call]
     return model
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within one transformers GGUF load: one `GGUFReader` per file (the reader is read-only over a
+    memory map) and one tensor-name map per (architecture, blocks), where transformers builds them
+    again for the config, the weights and each tensor. Both are pure functions of their arguments;
+    the loaded model is the same (tests/train/test_weights.py compares it tensor for tensor)."""
+    import functools
+    from unittest import mock
+
+    import gguf
+
+    readers: dict[str, Any] = {}
+    make_reader = gguf.GGUFReader
+
+    def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return make_reader(path, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in readers:
+            readers[key] = make_reader(path)
+        return readers[key]
+
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "GGUFReader", shared_reader), mock.patch.object(gguf, "get_tensor_name_map", name_map):
+        yield
 
 
 def hf_copy(path: Path) -> Path:
