@@ -1,7 +1,7 @@
 """MkDocs hook: the reference pages written from the code at build time, so they cannot drift.
 
 - reference/cli.md: every verb and option of `tokentape`, read from its typer app (click's parameters).
-- reference/http.md: every route of the app (`server.app.create_app` over a scripted engine) with the
+- reference/http.md: every route of the app (`served.build_served` over a scripted engine) with the
   first paragraph of its handler's docstring (a dialect's route: its class's docstring), what it
   reads, and who may call it (`server.auth.decide`). A route without a docstring stops the build.
 - reference/export.md: the export's schema version and fields, read off a real export of a small
@@ -213,7 +213,7 @@ def routes_markdown(routes: Iterable[Any], dialects: Sequence[type], schema_path
             "",
             "# HTTP routes",
             "",
-            "Written at build time from the app's own routes (`server.app.create_app`), the dialect",
+            "Written at build time from the app's own routes (`served.build_served`), the dialect",
             "registry (`server/dialects/registry.py`) and the key rules (`server/auth.py`). Each line is the",
             "first paragraph of the route's own docstring (a dialect's: its class's), and a route without one",
             "stops `make docs`. What each dialect's fields do, and how sessions are named:",
@@ -238,17 +238,12 @@ def routes_markdown(routes: Iterable[Any], dialects: Sequence[type], schema_path
 def app_routes() -> tuple[list[Any], list[type], list[str]]:
     """The routes of a real app over a scripted engine (no inference runs to list them)."""
     from tokentape.engines.scripted import ScriptedEngine
-    from tokentape.gateway.service import Gateway
-    from tokentape.gateway.sessions import SessionRegistry
     from tokentape.runtime import embedded_model_path, gguf_renderer
-    from tokentape.server.app import create_app
+    from tokentape.served import ServeSpec, build_served
     from tokentape.server.dialects.registry import DIALECTS
-    from tokentape.store.sqlite import SqliteStore
 
     renderer = gguf_renderer(embedded_model_path())
-    app = create_app(
-        Gateway(ScriptedEngine([], 0), renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="model"
-    )
+    app = build_served(ServeSpec(served_model_name="model"), engine=ScriptedEngine([], 0), renderer=renderer).app
     return list(app.routes), list(DIALECTS), list(app.openapi()["paths"])
 
 

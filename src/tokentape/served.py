@@ -99,9 +99,8 @@ class ServeSpec:
     session_keys: str = "optional"  # optional, required
     max_in_flight_per_key: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    connections: ConnectionLimits = field(
-        default_factory=ConnectionLimits
-    )  # heads, slow heads and bodies, clients that stop reading
+    # the HTTP server's bounds: heads, slow heads and bodies, clients that stop reading
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     weights_dirs: tuple[Path, ...] | None = None  # where POST /admin/weights may load from; None: anywhere
     images: ImageLimits = field(default_factory=ImageLimits)
     # How long an idle client connection stays open (uvicorn's default is 5 s). Longer than clients keep

@@ -17,13 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.auth.walk import MODEL, TRAINER, agent_route, bare, body_for, routes, snapshot, under_session
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
-from tokentape.store.sqlite import SqliteStore
 
 T = {"authorization": f"Bearer {TRAINER}"}
 
@@ -31,11 +27,7 @@ T = {"authorization": f"Bearer {TRAINER}"}
 class Served:
     def __init__(self, engine: LlamaCppEngine, renderer: Renderer) -> None:
         self.loop = asyncio.new_event_loop()
-        self.app = create_app(
-            Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))),
-            model_id=MODEL,
-            guard=GuardSettings(api_keys=[TRAINER]),
-        )
+        self.app = build(engine, renderer, model=MODEL, api_keys=(TRAINER,)).app
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t")
         self.keys = {name: self.run(self._create(name)) for name in ("ep-a", "ep-b")}
         templates = {path.replace("{session_id:session}", "{session_id}") for _, path in routes(self.app)}

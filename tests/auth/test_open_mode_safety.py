@@ -13,11 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.cli import app as cli
-from tokentape.gateway.service import Gateway
-from tokentape.server.app import create_app
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.render.renderer import Renderer
+from tokentape.served import Served
 from tokentape.server.exposure import OpenModeRefused, check_exposure, loopback
-from tokentape.server.middleware import GuardSettings
 
 
 @pytest.mark.parametrize(
@@ -54,11 +55,13 @@ def test_serve_refuses_to_start_before_loading_anything(
     assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
 
 
-async def test_weights_load_only_from_the_allowed_directories(gateway: Gateway, tmp_path: Path) -> None:
+async def test_weights_load_only_from_the_allowed_directories(
+    engine: LlamaCppEngine, renderer: Renderer, tmp_path: Path
+) -> None:
     allowed = tmp_path / "adapters"
     allowed.mkdir()
     (tmp_path / "elsewhere.gguf").write_bytes(b"GGUF")
-    app = create_app(gateway, model_id=MODEL_NAME, guard=GuardSettings(weights_dirs=[allowed]))
+    app = build(engine, renderer, weights_dirs=(allowed,)).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for path in (tmp_path / "elsewhere.gguf", allowed / ".." / "elsewhere.gguf", Path("/etc/passwd")):
             refused = await http.post("/admin/weights", json={"version": 1, "lora": str(path)})
@@ -73,8 +76,8 @@ async def test_weights_load_only_from_the_allowed_directories(gateway: Gateway, 
         assert (state["weights_version"], state["paused"]) == (0, False)  # nothing changed
 
 
-async def test_two_creates_of_one_session_id_at_once_give_one_key(gateway: Gateway) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME)
+async def test_two_creates_of_one_session_id_at_once_give_one_key(built: Served) -> None:
+    app = built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         answers = await asyncio.gather(*(http.post("/sessions", json={"session_id": "twice"}) for _ in range(2)))
         assert sorted(a.status_code for a in answers) == [201, 400]

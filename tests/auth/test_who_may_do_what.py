@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from tests.auth.walk import MODEL, TRAINER, expected, routes, snapshot, spoiled, walk
-from tokentape.gateway.service import Gateway
-from tokentape.server.app import create_app
+from tests.support.served import build
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.render.renderer import Renderer
+from tokentape.served import ServeSpec, SpecError
 from tokentape.server.middleware import GuardSettings
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
@@ -25,9 +27,11 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
-async def served(gateway: Gateway) -> AsyncIterator[tuple[Any, httpx.AsyncClient, dict[str, str]]]:
+async def served(
+    engine: LlamaCppEngine, renderer: Renderer
+) -> AsyncIterator[tuple[Any, httpx.AsyncClient, dict[str, str]]]:
     """An app with a trainer key, and sessions ep-a, ep-b (one turn each) and ep-t, with their keys."""
-    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER, "second-trainer-key"]))
+    app = build(engine, renderer, model=MODEL, api_keys=(TRAINER, "second-trainer-key")).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         keys = {}
         for name in ("ep-a", "ep-b", "ep-t"):
@@ -119,8 +123,10 @@ async def test_at_the_root_a_header_or_body_naming_another_session_is_refused(
     assert traced.status_code == 200 and traced.headers["x-session-id"] == "ep-a"
 
 
-async def test_open_mode_stays_open_and_required_mode_needs_a_session_key(gateway: Gateway) -> None:
-    app = create_app(gateway, model_id=MODEL)
+async def test_open_mode_stays_open_and_required_mode_needs_a_session_key(
+    engine: LlamaCppEngine, renderer: Renderer
+) -> None:
+    app = build(engine, renderer, model=MODEL).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         # no key, or the placeholder key SDKs need: everything as before keys existed
         for headers in ({}, bearer("unused")):
@@ -135,7 +141,9 @@ async def test_open_mode_stays_open_and_required_mode_needs_a_session_key(gatewa
     # required session keys with no trainer key: anyone could create sessions, and so their keys
     with pytest.raises(ValueError, match="needs a trainer key"):
         GuardSettings(require_session_keys=True)
-    app = create_app(gateway, model_id=MODEL, guard=GuardSettings(api_keys=[TRAINER], require_session_keys=True))
+    with pytest.raises(SpecError, match="needs a trainer key"):
+        ServeSpec(session_keys="required")
+    app = build(engine, renderer, model=MODEL, api_keys=(TRAINER,), session_keys="required").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         assert (await http.post("/sessions/req-1/v1/chat/completions", json=CHAT)).status_code == 401
         created = (await http.post("/sessions", json={"session_id": "req-2"}, headers=T)).json()

@@ -13,13 +13,11 @@ from typer.testing import CliRunner
 from tests.conftest import MODEL_NAME
 from tests.reliability.test_export_late_fields import _plain
 from tests.support.fake_engines import serving
+from tests.support.served import build
 from tokentape.cli import app as cli
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store import export as store_export
 from tokentape.store.datasets import read_dataset
 from tokentape.store.sqlite import SqliteStore
@@ -29,8 +27,8 @@ from tokentape.store.sqlite import SqliteStore
 def test_export_writes_the_gateways_rows(
     suffix: str, tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
-    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
-    with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
+    store = SqliteStore(tmp_path / "store.sqlite3")
+    with serving(build(engine, renderer, store=store).app) as url:  # type: ignore[arg-type]
         for session in ("e1", "e2", "e3"):
             httpx.post(f"{url}/sessions", json={"session_id": session, "group_id": "g"}).raise_for_status()
             body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": session}]}
@@ -70,9 +68,8 @@ def test_an_export_that_fails_after_its_first_byte_leaves_no_dataset(
         return real_rows(*args, **kwargs)
 
     monkeypatch.setattr(store_export, "format_rows", failing_rows)
-    registry = SessionRegistry(SqliteStore(path))
     engine = ScriptedEngine([5], end_of_turn=2)
-    with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:  # type: ignore[arg-type]
+    with serving(build(engine, renderer, store=SqliteStore(path)).app) as url:  # type: ignore[arg-type]
         out = tmp_path / f"batch{suffix}"
         result = CliRunner().invoke(cli, ["export", str(out), "--url", url])
     assert result.exit_code == 1 and "a row the export cannot write" in result.output, result.output
@@ -88,13 +85,8 @@ def test_export_refuses_an_unknown_file_kind(tmp_path: Path) -> None:
 def test_export_and_view_reach_a_gateway_with_trainer_keys(
     tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
-    from tokentape.server.middleware import GuardSettings
-
-    guard = GuardSettings(api_keys=["cli-trainer-key"])
     trainer = {"authorization": "Bearer cli-trainer-key"}
-    app = create_app(
-        Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME, guard=guard
-    )
+    app = build(engine, renderer, api_keys=("cli-trainer-key",)).app
     with serving(app) as url:  # type: ignore[arg-type]
         httpx.post(f"{url}/sessions", json={"session_id": "k1"}, headers=trainer).raise_for_status()
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "k1"}], "max_tokens": 2}

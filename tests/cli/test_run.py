@@ -14,15 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
+from tests.support.served import build
 from tokentape.cli.run import harness_environment, harness_of
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 TOKENTAPE = Path(sys.executable).with_name("tokentape")
 
@@ -51,10 +47,7 @@ AGENT = textwrap.dedent(
 @pytest.fixture
 def gateway_url(renderer: Renderer) -> Iterator[str]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    gateway = Gateway(
-        ScriptedEngine(renderer.tokenizer.encode("Ok."), end), renderer, SessionRegistry(SqliteStore(":memory:"))
-    )
-    with serving(create_app(gateway, model_id=MODEL_NAME)) as url:
+    with serving(build(ScriptedEngine(renderer.tokenizer.encode("Ok."), end), renderer).app) as url:
         yield url
 
 

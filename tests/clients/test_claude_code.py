@@ -21,18 +21,15 @@ import pytest
 
 from tests.support.fake_engines import serving
 from tests.support.models import materialise
+from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import SampledToken
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.runtime import hf_renderer
 from tokentape.server import auth
-from tokentape.server.app import create_app
 from tokentape.server.dialects.registry import shape_for_path
 from tokentape.server.errors import ANTHROPIC_ERRORS
-from tokentape.store.sqlite import SqliteStore
 
 MODEL = "qwen"
 BETAS = [
@@ -157,9 +154,7 @@ def _served(tmp_path: Path, family: str, context_length: int = 1 << 20, *, clip:
     renderer = hf_renderer(materialise(family, tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = RecordingEngine(end, context_length=context_length)
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    gateway.clip_max_tokens = clip
-    app = create_app(gateway, model_id=MODEL)
+    app = build(engine, renderer, model=MODEL, clip_max_tokens=clip).app
     with serving(app) as url:
         yield Served(url, renderer, engine, end)
 

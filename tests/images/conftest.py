@@ -29,13 +29,12 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from tests.support.fake_engines import FakeState, serving, vllm_app
 from tests.support.fake_vision import IM_END, FakeVision
 from tests.support.models import materialise
+from tests.support.served import build
 from tokentape.engines.remote.vllm import VLLMGenerateEngine
 from tokentape.engines.router import Router
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
-from tokentape.server.app import create_app
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.store.sqlite import SqliteStore
 
@@ -159,10 +158,9 @@ async def open_app(
     renderer: Renderer, url: str, engine: Engine, store: Path, limits: ImageLimits | None = None
 ) -> tuple[Gateway, httpx.AsyncClient]:
     router = Router([VLLMGenerateEngine(url)], vocab_size=renderer.tokenizer.vocab_size)
-    registry = SessionRegistry(SqliteStore(store))
-    gateway = Gateway(router, renderer, registry)
+    built = build(router, renderer, model=MODEL, store=SqliteStore(store), images=limits or ImageLimits())
+    gateway, app = built.gateway, built.app
     await gateway.start()
-    app = create_app(gateway, model_id=MODEL, image_limits=limits)
     return gateway, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokentape")
 
 

@@ -15,13 +15,10 @@ import pytest
 from PIL import Image
 
 from tests.images.conftest import App, Engine, Oracle, data_url, open_app, png
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.server.dialects.images import ImageLimits
-from tokentape.store.sqlite import SqliteStore
 
 RED, ORANGE = (200, 30, 30), (220, 120, 20)
 
@@ -194,8 +191,7 @@ async def test_a_text_only_model_says_it_has_no_vision(http: httpx.AsyncClient) 
 async def test_the_embedded_engine_refuses_images_before_anything_is_recorded(
     engine: LlamaCppEngine, vl_renderer: Renderer
 ) -> None:
-    gateway = Gateway(engine, vl_renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="m")
+    app = build(engine, vl_renderer, model="m").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         response = await post(http, "embedded", [user("x", png(RED))])
         assert response.status_code == 400, response.text

@@ -12,10 +12,8 @@ import pyarrow.parquet as pq
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.store.sqlite import SqliteStore
+from tokentape.served import ServeSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "verl"
 
@@ -45,9 +43,7 @@ async def test_the_agent_scores_against_the_ground_truth(renderer: Renderer) -> 
     solve = _load("agents").solve
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    gateway = InProcessGateway(
-        gateway=Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model=MODEL_NAME
-    )
+    gateway = InProcessGateway(ServeSpec(served_model_name=MODEL_NAME), engine=engine, renderer=renderer)
     row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "reward_model": {"ground_truth": "5"}}
     try:
         rewards = []

@@ -21,12 +21,11 @@ from typing import Any
 import httpx
 import orjson
 
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
+from tokentape.gateway.sessions import MemoryLimits
 from tokentape.launcher import RunningServer, running_server
 from tokentape.runtime import embedded_model_path, gguf_renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 
 MODEL = "smollm2-135m-instruct"
@@ -430,8 +429,9 @@ async def soak(
     sampled per batch. Sessions are finished and may be evicted from memory: the store keeps them."""
     renderer = gguf_renderer(embedded_model_path())
     engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), renderer.tokenizer.encode("<|im_end|>")[0])
-    registry = SessionRegistry(SqliteStore(tmp / "soak.sqlite3"), limits=MemoryLimits(max_sessions=500))
-    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL)
+    store = SqliteStore(tmp / "soak.sqlite3")
+    built = build(engine, renderer, model=MODEL, store=store, memory=MemoryLimits(max_sessions=500))
+    app, registry = built.app, built.gateway.sessions
     samples: list[tuple[int, int, int]] = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for start in range(0, sessions, batch):

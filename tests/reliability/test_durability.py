@@ -22,14 +22,12 @@ import pytest
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
 from tests.support.gates import NoticesDisconnects
+from tests.support.served import build
 from tokentape.core.images import DecodedImage
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import TurnNode
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 from tokentape.store.writer import Write
 
@@ -86,7 +84,7 @@ Slow = tuple[str, SlowStore, threading.Event]  # the gateway's URL, its store, "
 @pytest.fixture
 def slow(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> Iterator[Slow]:
     store = SlowStore(tmp_path / "store.sqlite3")
-    app = NoticesDisconnects(create_app(Gateway(engine, renderer, SessionRegistry(store)), model_id=MODEL_NAME))
+    app = NoticesDisconnects(build(engine, renderer, store=store).app)
     with serving(app) as url:  # type: ignore[arg-type]
         yield url, store, app.noticed
     store.gate.set()

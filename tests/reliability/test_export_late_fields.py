@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.formats import FORMATS, Format
 from tokentape.core.images import DecodedImage, ImageRun
 from tokentape.core.messages import EMPTY_CHAIN
@@ -33,10 +33,7 @@ from tokentape.core.staleness import LagWindow
 from tokentape.core.tape import Origin, Rewrite
 from tokentape.core.versions import PolicySpan
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store import export as store_export
 from tokentape.store.export import dataset_pages, encode_dataset, started
 from tokentape.store.images import ImageLibrary
@@ -236,9 +233,9 @@ async def test_a_row_that_cannot_be_written_fails_before_the_first_byte_or_ends_
         for node in tree.nodes:
             assert await store.save_turn(tree, node)
     store.close()
-    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
     engine = ScriptedEngine([5], end_of_turn=2)
-    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
+    built = build(engine, renderer, store=SqliteStore(tmp_path / "store.sqlite3"))
+    app, registry = built.app, built.gateway.sessions
     real_rows = store_export.format_rows
     calls = {"n": 0, "fail_at": 1}
 

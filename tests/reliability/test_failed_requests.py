@@ -14,12 +14,9 @@ import pytest
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
 from tests.support.gates import GatedEngine, NoticesDisconnects
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
@@ -32,7 +29,7 @@ async def test_an_engine_failure_before_the_first_token_leaves_no_session(
     engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
     gated = GatedEngine(engine, fail=4)  # more failures than the gateway's one silent retry
-    app = create_app(Gateway(gated, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
+    app = build(gated, renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         failed = await http.post("/sessions/doomed/v1/chat/completions", json=BODY)
         assert failed.status_code == 502 and failed.json()["error"]["code"] == "engine_error"
@@ -49,9 +46,7 @@ async def test_an_engine_failure_before_the_first_token_leaves_no_session(
 @pytest.fixture
 def gated_server(engine: LlamaCppEngine, renderer: Renderer) -> Iterator[tuple[str, GatedEngine, threading.Event]]:
     gated = GatedEngine(engine)
-    app = NoticesDisconnects(
-        create_app(Gateway(gated, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
-    )
+    app = NoticesDisconnects(build(gated, renderer).app)
     with serving(app) as url:  # type: ignore[arg-type]
         yield url, gated, app.noticed
     gated.gate.set()

@@ -11,16 +11,16 @@ import httpx
 import openai
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.errors import EngineFailure
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.server.middleware import OPEN_PATHS, GuardSettings
-from tokentape.store.sqlite import SqliteStore
+from tokentape.served import Served
+from tokentape.server.connections import ConnectionLimits
+from tokentape.server.middleware import OPEN_PATHS
 
 BODY = {
     "model": MODEL_NAME,
@@ -65,10 +65,10 @@ async def test_a_concurrent_retry_waits_for_the_first_attempt(http: httpx.AsyncC
     assert (await http.get("/sessions/c")).json()["turns"] == 1
 
 
-async def test_the_sdk_retrying_after_a_lost_response_makes_one_turn(gateway: Gateway) -> None:
+async def test_the_sdk_retrying_after_a_lost_response_makes_one_turn(built: Served) -> None:
     """A real openai SDK retry: the first response is lost on the way back; the SDK retries with
     x-stainless-retry-count: 1 and gets the recorded answer."""
-    app = create_app(gateway, model_id=MODEL_NAME)
+    gateway, app = built.gateway, built.app
     inner = httpx.ASGITransport(app=app)
 
     class LosingTransport(httpx.AsyncBaseTransport):
@@ -127,8 +127,7 @@ class FlakyEngine:
 
 async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(renderer: Renderer) -> None:
     engine = FlakyEngine(renderer.tokenizer.encode("ok")[0])
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = build(engine, renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         ok = await http.post("/sessions/f/v1/chat/completions", json=BODY)
         assert ok.status_code == 200 and engine.calls == 2  # failed before a token: retried once
@@ -145,8 +144,8 @@ async def test_engine_faults_retry_before_the_first_token_and_never_duplicate(re
 
 
 async def test_overload_answers_429_with_retry_after(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")), max_active=1)
-    app = create_app(gateway, model_id=MODEL_NAME)
+    built = build(engine, renderer, max_active=1)
+    gateway, app = built.gateway, built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         responses = await asyncio.gather(
             *(http.post(f"/sessions/o{i}/v1/chat/completions", json={**BODY, "max_tokens": 20}) for i in range(4))
@@ -168,8 +167,8 @@ def _route_paths(app: Any) -> list[tuple[str, str]]:
     return out
 
 
-async def test_api_keys_guard_every_route_but_health(gateway: Gateway) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME, guard=GuardSettings(api_keys=["k1", "k2"]))
+async def test_api_keys_guard_every_route_but_health(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    app = build(engine, renderer, api_keys=("k1", "k2")).app
     routes = _route_paths(app)
     assert len(routes) > 12
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
@@ -188,8 +187,10 @@ async def test_api_keys_guard_every_route_but_health(gateway: Gateway) -> None:
         assert (await sdk.models.list()).data[0].id == MODEL_NAME
 
 
-async def test_size_limits(gateway: Gateway) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME, guard=GuardSettings(max_body_bytes=10_000, max_header_bytes=4_000))
+async def test_size_limits(engine: LlamaCppEngine, renderer: Renderer) -> None:
+    limits = ConnectionLimits(max_header_bytes=4_000)
+    built = build(engine, renderer, max_body_bytes=10_000, connections=limits)
+    gateway, app = built.gateway, built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         big = {**BODY, "messages": [{"role": "user", "content": "x" * 20_000}]}
         response = await http.post("/v1/chat/completions", json=big)

@@ -12,11 +12,9 @@ import httpx
 
 from tests.conftest import MODEL_NAME
 from tests.support.gates import GatedEngine
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 
 BODY = {
@@ -39,8 +37,8 @@ async def test_a_retry_replays_only_the_latest_of_two_identical_calls(
 ) -> None:
     gated = GatedEngine(engine)
     store = tmp_path / "store.sqlite3"
-    gateway = Gateway(gated, renderer, SessionRegistry(SqliteStore(store)))
-    app = create_app(gateway, model_id=MODEL_NAME)
+    built = build(gated, renderer, store=SqliteStore(store))
+    gateway, app = built.gateway, built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         first = _ids(await http.post(URL, json=BODY))
         gated.gate.clear()
@@ -59,11 +57,11 @@ async def test_a_retry_replays_only_the_latest_of_two_identical_calls(
     gateway.sessions.close()
 
     # after a restart the identity comes back from the store
-    restarted = Gateway(gated, renderer, SessionRegistry(SqliteStore(store)))
-    app = create_app(restarted, model_id=MODEL_NAME)
+    restarted = build(gated, renderer, store=SqliteStore(store))
+    app = restarted.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         assert _ids(await http.post(URL, json=BODY, headers=RETRY)) == second
         assert gated.calls == 2
         summary = (await http.get("/sessions/grpo")).json()
         assert (summary["turns"], summary["requests"]) == (2, 2)
-    restarted.sessions.close()
+    restarted.gateway.sessions.close()

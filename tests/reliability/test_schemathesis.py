@@ -13,12 +13,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import embedded_model_path, gguf_renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 EXAMPLES = int(os.environ.get("TOKENTAPE_FUZZ_EXAMPLES", "25"))
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output" / "schemathesis.json"
@@ -27,7 +24,7 @@ _renderer = gguf_renderer(embedded_model_path())
 _engine = ScriptedEngine(
     _renderer.tokenizer.encode("Hello there"), _renderer.tokenizer.encode("<|im_end|>")[0], context_length=4096
 )
-app = create_app(Gateway(_engine, _renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
+app = build(_engine, _renderer).app
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 FIGURES: dict[str, Any] = {"cases": 0, "server_errors": 0, "failures": []}
 

@@ -12,12 +12,11 @@ import httpx
 import openai
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
+from tokentape.gateway.sessions import MemoryLimits
 from tokentape.launcher import running_server
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 
 
@@ -50,8 +49,8 @@ async def test_turns_survive_kill_minus_nine_and_sessions_keep_extending(tmp_pat
 
 async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> None:
     path = tmp_path / "store.sqlite3"
-    registry = SessionRegistry(SqliteStore(path))
-    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
+    built = build(engine, renderer, store=SqliteStore(path))
+    app, registry = built.app, built.gateway.sessions
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         assert (await http.post("/sessions/gone/v1/chat/completions", json=body)).status_code == 200
@@ -68,8 +67,8 @@ async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEng
 
 
 async def test_evicted_sessions_reload_and_export(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(SqliteStore(":memory:"), limits=MemoryLimits(max_sessions=2))
-    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
+    built = build(engine, renderer, memory=MemoryLimits(max_sessions=2))
+    app, registry = built.app, built.gateway.sessions
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for i in range(6):
             body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 3}

@@ -19,14 +19,13 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.reliability.test_store_writes import _turn
+from tests.support.served import build
 from tokentape.core.formats import FORMATS, format_rows, samples_of
 from tokentape.core.session import SessionTree
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.errors import StoreFailure
-from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import MemoryLimits, SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store import export as store_export
 from tokentape.store.datasets import parquet_rows
 from tokentape.store.export import dataset_pages, encode_dataset
@@ -56,8 +55,9 @@ async def test_one_corrupt_session_never_breaks_the_others(
     tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
 ) -> None:
     path = tmp_path / "store.sqlite3"
-    registry = SessionRegistry(SqliteStore(path))
-    async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
+    built = build(engine, renderer, store=SqliteStore(path))
+    registry = built.gateway.sessions
+    async with _client(built.app) as http:
         for session in ("good", "orphan", "garbled"):
             await _chat(http, session, 2)
         good_export = (await http.get("/sessions/good/export")).json()
@@ -70,8 +70,9 @@ async def test_one_corrupt_session_never_breaks_the_others(
     db.commit()
     db.close()
 
-    registry = SessionRegistry(SqliteStore(path))
-    async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
+    built = build(engine, renderer, store=SqliteStore(path))
+    registry = built.gateway.sessions
+    async with _client(built.app) as http:
         listed = await http.get("/sessions")
         assert listed.status_code == 200
         entries = {entry["session_id"]: entry for entry in listed.json()["data"]}
@@ -106,9 +107,10 @@ async def test_one_corrupt_session_never_breaks_the_others(
 
 
 async def test_listing_pages_with_a_cursor(engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(SqliteStore(":memory:"))
     names = [f"p{i}" for i in range(7)]
-    async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
+    built = build(engine, renderer)
+    registry = built.gateway.sessions
+    async with _client(built.app) as http:
         for name in names:
             assert (await http.post("/sessions", json={"session_id": name})).status_code == 201
         seen: list[str] = []
@@ -137,9 +139,10 @@ async def test_exports_stream_in_pages_and_equal_the_whole_dataset(
     fmt: str, engine: LlamaCppEngine, renderer: Renderer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_export, "SESSIONS_PER_PAGE", 2)
-    registry = SessionRegistry(SqliteStore(":memory:"))
     plan = [("a1", "g1", 1), ("b1", None, None), ("a2", "g2", 0.25), ("c1", "g1", None), ("d1", "g2", 0.5)]
-    async with _client(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as http:
+    built = build(engine, renderer)
+    registry = built.gateway.sessions
+    async with _client(built.app) as http:
         for session, group, reward in plan:
             created = {"session_id": session, "group_id": group, **({"reward": reward} if reward is not None else {})}
             assert (await http.post("/sessions", json=created)).status_code == 201

@@ -19,14 +19,11 @@ import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, SampledToken
 from tokentape.errors import NotFound
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 WAIT = 10.0  # seconds: far more than any of these takes
 SAMPLED = [300, 301, 302, 303]  # then the end of the turn
@@ -121,8 +118,8 @@ async def _leave(renderer: Renderer, route: str, point: str, stream: bool) -> tu
     """One request whose client leaves at `point`; what was sent to it and the session's turns."""
     engine = LeavingEngine(renderer.tokenizer.encode("<|im_end|>")[0])
     engine.point = point
-    registry = SessionRegistry(SqliteStore(":memory:"))
-    app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)  # type: ignore[arg-type]
+    built = build(engine, renderer)  # type: ignore[arg-type]
+    app, registry = built.app, built.gateway.sessions
     path, fields = ROUTES[route]
     body = orjson.dumps({"model": MODEL_NAME, **fields, "stream": stream})
     client = Client(body, engine.leave)

@@ -21,14 +21,11 @@ import pytest
 
 from tests.support.fake_engines import serving
 from tests.support.models import materialise
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
-from tokentape.server.app import create_app
 from tokentape.server.dialects import responses_input, responses_output, responses_tools
-from tokentape.store.sqlite import SqliteStore
 
 BASE_PROMPT = "You are a coding agent running in the Codex CLI, a terminal-based coding assistant."
 SKILLS = "<skills_instructions>\n## Skills\nA skill is a set of local instructions.\n</skills_instructions>"
@@ -112,7 +109,7 @@ def served(tmp_path: Path) -> Iterator[tuple[openai.AsyncOpenAI, ScriptedEngine,
     renderer = hf_renderer(materialise("qwen3", tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="qwen")
+    app = build(engine, renderer, model="qwen").app
     with serving(app) as base:
         sdk = openai.AsyncOpenAI(base_url=f"{base}/sessions/codex/v1", api_key="x", max_retries=0)
         yield sdk, engine, renderer, base

@@ -13,12 +13,10 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 
 WEATHER: Any = {
@@ -158,7 +156,7 @@ async def test_a_tool_choice_naming_an_unknown_function_is_rejected(
 async def test_an_engine_that_cannot_constrain_answers_400(renderer: Renderer) -> None:
     """A stand-in engine (it enforces no constraint kind) in place of a remote one."""
     engine = ScriptedEngine([1, 2, 3], 2)
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="m")
+    app = build(engine, renderer, model="m").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for extra in ({"tools": [WEATHER], "tool_choice": "required"}, {"response_format": {"type": "json_object"}}):
             body = {"model": "m", "messages": ASK, "stream": True, "session_id": "s", **extra}
@@ -204,8 +202,8 @@ async def test_constrained_and_trace_ids_survive_a_restart(
     body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60}
     exports = []
     for attempt in range(2):
-        registry = SessionRegistry(SqliteStore(path))
-        app = create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)
+        built = build(engine, renderer, store=SqliteStore(path))
+        app, registry = built.app, built.gateway.sessions
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             if attempt == 0:
                 response = await http.post(

@@ -11,12 +11,10 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.server.dialects import (
     anthropic_input,
     anthropic_output,
@@ -25,7 +23,6 @@ from tokentape.server.dialects import (
     responses_output,
 )
 from tokentape.server.dialects.responses_input import LOGPROBS_INCLUDE
-from tokentape.store.sqlite import SqliteStore
 
 
 def _events(body: str) -> list[tuple[str, dict[str, Any]]]:
@@ -277,7 +274,7 @@ async def test_messages_take_the_trainer_fields_of_chat(renderer: Renderer) -> N
             return super().generate(prompt, params, seed=seed, **options)
 
     engine = Recording(renderer.tokenizer.encode("Fine."), renderer.tokenizer.encode("<|im_end|>")[0])
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
+    app = build(engine, renderer).app
     common = {"max_tokens": 6, "temperature": 1.0, "min_p": 0.05, "top_k": 20, "seed": 11, "rewrite_policy": "fork"}
     messages = [{"role": "user", "content": "Hi"}]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

@@ -19,15 +19,13 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.episodes import episode_head, side_session_id
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.errors import InvalidRequest
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer, RenderOptions
-from tokentape.server.app import create_app
 from tokentape.server.session_names import Named, named_session
-from tokentape.store.sqlite import SqliteStore
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -43,11 +41,9 @@ def _chat(*messages: dict[str, Any], tools: bool = True, **extra: Any) -> dict[s
 @pytest.fixture
 async def served(renderer: Renderer) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    gateway = Gateway(
-        ScriptedEngine(renderer.tokenizer.encode("Done."), end), renderer, SessionRegistry(SqliteStore(":memory:"))
-    )
+    built = build(ScriptedEngine(renderer.tokenizer.encode("Done."), end), renderer)
+    gateway, app = built.gateway, built.app
     await gateway.start()
-    app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         yield gateway, http
     await gateway.aclose()

@@ -14,10 +14,8 @@ import uvicorn
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
-from tests.conftest import MODEL_NAME
 from tokentape.cli import app as cli
-from tokentape.gateway.service import Gateway
-from tokentape.server.app import create_app
+from tokentape.served import Served
 
 
 @pytest.fixture
@@ -54,9 +52,9 @@ def test_serve_freezes_what_it_loaded_once_the_gateway_has_started(
 
 
 def test_a_gateway_inside_another_program_leaves_its_collector_alone(
-    gateway: Gateway, restored_collector: tuple[int, int, int]
+    built: Served, restored_collector: tuple[int, int, int]
 ) -> None:
-    with TestClient(create_app(gateway, model_id=MODEL_NAME)) as client:
+    with TestClient(built.app) as client:
         assert client.get("/health").status_code == 200
         assert gc.get_freeze_count() == 0
         assert gc.get_threshold() == restored_collector

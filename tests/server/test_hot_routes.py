@@ -7,10 +7,11 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tokentape.gateway.service import Gateway
+from tests.support.served import build
+from tokentape.engines.llamacpp import LlamaCppEngine
+from tokentape.render.renderer import Renderer
+from tokentape.served import Served
 from tokentape.server import hot_routes
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
 
 BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
@@ -29,10 +30,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-async def test_chat_and_completions_take_the_lean_path_in_and_out_of_sessions(
-    gateway: Gateway, served: list[str]
-) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME)
+async def test_chat_and_completions_take_the_lean_path_in_and_out_of_sessions(built: Served, served: list[str]) -> None:
+    app = built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         named = await http.post("/sessions/lean-1/v1/chat/completions", json=BODY)
         assert named.status_code == 200 and named.json()["session_id"] == "lean-1"
@@ -54,8 +53,10 @@ async def test_chat_and_completions_take_the_lean_path_in_and_out_of_sessions(
     ]
 
 
-async def test_the_guard_runs_before_the_lean_path(gateway: Gateway, served: list[str]) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME, guard=GuardSettings(api_keys=["k"], max_body_bytes=1000))
+async def test_the_guard_runs_before_the_lean_path(
+    engine: LlamaCppEngine, renderer: Renderer, served: list[str]
+) -> None:
+    app = build(engine, renderer, api_keys=("k",), max_body_bytes=1000).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         assert (await http.post("/v1/chat/completions", json=BODY)).status_code == 401
         big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
@@ -66,9 +67,9 @@ async def test_the_guard_runs_before_the_lean_path(gateway: Gateway, served: lis
 
 
 async def test_the_other_dialects_take_the_lean_path_with_their_own_error_shapes(
-    gateway: Gateway, served: list[str]
+    built: Served, served: list[str]
 ) -> None:
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         response = await http.post(
             "/sessions/lean-r/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2}

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.core.session import BYTES_PER_TOKEN
 from tokentape.core.tape import TurnNode
 from tokentape.engines.remote.wire import wire_ids
@@ -22,7 +23,6 @@ from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import REPLAY_RECORD_BYTES, UNNAMED_RECORD_BYTES, MemoryLimits, SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.sqlite import SqliteStore
 
 
@@ -31,11 +31,10 @@ async def _open(
 ) -> tuple[Gateway, SessionRegistry, httpx.AsyncClient]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine(renderer.tokenizer.encode("Fine, thanks."), end)
-    registry = SessionRegistry(SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=max_bytes))
-    gateway = Gateway(engine, renderer, registry)
+    built = build(engine, renderer, store=SqliteStore(tmp_path / "m.db"), memory=MemoryLimits(max_bytes=max_bytes))
+    gateway, app = built.gateway, built.app
     await gateway.start()
-    app = create_app(gateway, model_id=MODEL_NAME)
-    return gateway, registry, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return gateway, gateway.sessions, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
 
 def _turn(text: str) -> dict[str, object]:
@@ -183,10 +182,10 @@ async def test_past_the_budget_kept_prompt_texts_go_before_any_session(renderer:
     the budget, and at the budget those texts are dropped, least recently used first, before any
     session leaves memory. The next prompt is then written whole, and true."""
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    registry = SessionRegistry(SqliteStore(tmp_path / "m.db"), limits=MemoryLimits(max_bytes=1 << 30))
-    gateway = Gateway(_Remote(renderer.tokenizer.encode("Fine, thanks."), end), renderer, registry)
+    engine = _Remote(renderer.tokenizer.encode("Fine, thanks."), end)
+    built = build(engine, renderer, store=SqliteStore(tmp_path / "m.db"), memory=MemoryLimits(max_bytes=1 << 30))
+    gateway, app, registry = built.gateway, built.app, built.gateway.sessions
     await gateway.start()
-    app = create_app(gateway, model_id=MODEL_NAME)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         histories = {}
         for n in range(4):

@@ -13,13 +13,11 @@ import orjson
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.remote.wire import wire_ids
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 HI = [{"role": "user", "content": "Name three colours."}]
 ROUTES: dict[str, dict[str, Any]] = {
@@ -32,12 +30,8 @@ ROUTES: dict[str, dict[str, Any]] = {
 
 async def _client(renderer: Renderer, mode: str) -> tuple[Gateway, httpx.AsyncClient]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
-    gateway = Gateway(
-        ScriptedEngine(renderer.tokenizer.encode(" Red, green, blue."), end),
-        renderer,
-        SessionRegistry(SqliteStore(":memory:")),
-    )
-    app = create_app(gateway, model_id=MODEL_NAME, prompt_token_ids=mode)
+    built = build(ScriptedEngine(renderer.tokenizer.encode(" Red, green, blue."), end), renderer, prompt_token_ids=mode)
+    gateway, app = built.gateway, built.app
     return gateway, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
 
@@ -151,8 +145,8 @@ async def test_each_later_prompts_text_is_its_ids_across_extensions_and_a_branch
     enough to outrun what the path gained since."""
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = _Recording(renderer.tokenizer.encode(" Red, green, blue."), end)
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id=MODEL_NAME, prompt_token_ids="always")
+    built = build(engine, renderer, prompt_token_ids="always")
+    gateway, app = built.gateway, built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         history: list[dict[str, Any]] = []
         shown: list[list[int]] = []

@@ -10,14 +10,15 @@ import httpx
 import orjson
 import pytest
 
-from tokentape.gateway.service import Gateway
+from tests.support.served import build
+from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.ray.asgi import HttpRequest
 from tokentape.ray.routing import session_of
-from tokentape.server.app import GatewayApp, create_app
+from tokentape.render.renderer import Renderer
+from tokentape.server.app import GatewayApp
 from tokentape.server.auth import GENERATION_ROUTES, Kind, decide, is_generation
 from tokentape.server.dialects.registry import DIALECTS, PATHS, shape_for_path
 from tokentape.server.errors import ANTHROPIC_ERRORS, OPENAI_ERRORS
-from tokentape.server.middleware import GuardSettings
 from tokentape.server.serving import Dialect
 
 # the generation routes as the API families name them, written out here (not read from the registry)
@@ -30,8 +31,10 @@ def test_the_registry_lists_every_api_family_once() -> None:
 
 
 @pytest.mark.parametrize("dialect", DIALECTS, ids=[d.path for d in DIALECTS])
-async def test_each_entry_makes_every_table(gateway: Gateway, dialect: type[Dialect[Any]]) -> None:
-    app = create_app(gateway, model_id="m")
+async def test_each_entry_makes_every_table(
+    engine: LlamaCppEngine, renderer: Renderer, dialect: type[Dialect[Any]]
+) -> None:
+    app = build(engine, renderer, model="m").app
     assert isinstance(app, GatewayApp) and app.lean is not None
     assert dialect.path in app.lean.routes
     schema = app.openapi()["paths"]
@@ -58,9 +61,11 @@ def test_paths_outside_the_dialects_answer_in_openai_shape() -> None:
     assert session_of(HttpRequest("POST", "/v1/files", body=b'{"session_id": "x"}')) is None
 
 
-async def test_a_rejection_before_any_route_is_in_the_dialects_shape(gateway: Gateway) -> None:
+async def test_a_rejection_before_any_route_is_in_the_dialects_shape(
+    engine: LlamaCppEngine, renderer: Renderer
+) -> None:
     """The guard answers a too-large body before the route runs: Messages gets Anthropic's shape."""
-    app = create_app(gateway, model_id="m", guard=GuardSettings(max_body_bytes=64))
+    app = build(engine, renderer, model="m", max_body_bytes=64).app
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://tokentape") as http:
         for dialect in DIALECTS:

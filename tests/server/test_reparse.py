@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import MODEL_NAME
 from tests.support.histories import shared_parses_unchanged
-from tokentape.gateway.service import Gateway
+from tokentape.served import Served
 from tokentape.server import reparse
-from tokentape.server.app import create_app
 from tokentape.server.reparse import Reparser
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 40}
@@ -334,11 +333,11 @@ async def _chat(client: openai.AsyncOpenAI, opening: str, calls: int) -> list[An
 
 
 async def test_the_messages_and_responses_routes_parse_a_sessions_history_once(
-    gateway: Gateway, parses: list[tuple[str | None, str, int]]
+    built: Served, parses: list[tuple[str | None, str, int]]
 ) -> None:
     """Anthropic's SDK on the Messages route and openai's on Responses (its `input` list): the second
     and third bodies of each session reuse the one before."""
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = built.app
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://tokentape") as http:
         await _messages_and_responses(http)
     assert [(key, field) for key, field, _ in parses] == [("rp-m", "messages")] * 3 + [("rp-r", "input")] * 3

@@ -10,14 +10,11 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.llamacpp import LlamaCppEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.render.template import ChatTemplate
 from tokentape.render.tokenizer import GGUFTokenizer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 # ChatML that shows an assistant's reasoning only while it is the last message, and marks earlier
 # replies: once a new message follows, the template's rendering of the reply no longer matches the tape.
@@ -37,8 +34,7 @@ STRIPPING_TEMPLATE = (
 @pytest.fixture
 async def stripping_http(engine: LlamaCppEngine, tokenizer: GGUFTokenizer) -> Any:
     renderer = Renderer(ChatTemplate(STRIPPING_TEMPLATE), tokenizer)
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = build(engine, renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         yield client
 

@@ -15,22 +15,20 @@ import openai
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.render.tokenizer import Tokenizer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
+from tokentape.served import Served
 
 HI = [{"role": "user", "content": "Name three colours."}]
 LOGPROBS = "message.output_text.logprobs"
 
 
 @pytest.fixture
-async def asgi(gateway: Gateway) -> AsyncIterator[httpx2.AsyncClient]:
+async def asgi(built: Served) -> AsyncIterator[httpx2.AsyncClient]:
     """The app in-process, through the HTTP client the SDKs themselves use."""
-    app = create_app(gateway, model_id=MODEL_NAME)
+    app = built.app
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://tokentape") as client:
         yield client
 
@@ -155,7 +153,7 @@ async def test_a_turn_is_named_by_its_id_and_tokens_point_at_it_by_index(rendere
     engine = ScriptedEngine([], end)
     for text in ("Hello there", "Good day", "Fine"):
         engine.push([*renderer.tokenizer.encode(text), end])
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
+    app = build(engine, renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         hi = [{"role": "user", "content": "Hi"}]
         base = {"model": MODEL_NAME, "max_tokens": 8}

@@ -13,12 +13,9 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 WORDS = " one two three four five six seven"
 
@@ -27,7 +24,7 @@ WORDS = " one two three four five six seven"
 async def scripted(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, ScriptedEngine, list[int], int]]:
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME)
+    app = build(engine, renderer).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         yield http, engine, renderer.tokenizer.encode(WORDS), end
 

@@ -14,12 +14,9 @@ import openai
 import pytest
 
 from tests.support.models import materialise
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import hf_renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 TOOLS: list[Any] = [
     {
@@ -43,7 +40,7 @@ async def qwen(tmp_path: Path) -> AsyncIterator[tuple[openai.AsyncOpenAI, Script
     renderer = hf_renderer(materialise("qwen3", tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="qwen3")
+    app = build(engine, renderer, model="qwen3").app
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         sdk = openai.AsyncOpenAI(base_url="http://t/sessions/agent/v1", api_key="x", http_client=http)

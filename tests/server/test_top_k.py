@@ -14,16 +14,13 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import FakeState, serving, sglang_app, vllm_app
+from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.remote import SGLangEngine, VLLMEngine, VLLMGenerateEngine
 from tokentape.engines.remote.client import RemoteEngine
 from tokentape.engines.router import Router
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 VOCAB = 49152  # the test model's vocabulary
 ABSENT = object()
@@ -63,8 +60,8 @@ async def handed(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, l
             return super().generate(prompt, params, seed=seed, **options)
 
     engine = Recording(renderer.tokenizer.encode("Fine."), renderer.tokenizer.encode("<|im_end|>")[0])
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id=MODEL_NAME)
+    built = build(engine, renderer)
+    gateway, app = built.gateway, built.app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         yield http, asked
     await gateway.aclose()
@@ -125,11 +122,9 @@ async def test_each_remote_engine_is_sent_its_own_off(renderer: Renderer, kind: 
     state = FakeState()
     app_of = sglang_app if kind == "sglang" else vllm_app
     with serving(app_of(state)) as url:
-        gateway = Gateway(
-            Router([_remote(kind, url)], vocab_size=VOCAB), renderer, SessionRegistry(SqliteStore(":memory:"))
-        )
+        built = build(Router([_remote(kind, url)], vocab_size=VOCAB), renderer)
+        gateway, app = built.gateway, built.app
         await gateway.start()
-        app = create_app(gateway, model_id=MODEL_NAME)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             for top_k, _held, wire in EDGES:
                 _, body = _bodies(top_k)["chat"]

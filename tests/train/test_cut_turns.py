@@ -9,12 +9,9 @@ from pathlib import Path
 import httpx
 
 from tests.support.models import materialise
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.runtime import hf_renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 from tokentape.train.loss import check_sampling, samples_from_export
 
 
@@ -22,7 +19,7 @@ async def test_branches_with_cut_turns_become_samples(tmp_path: Path) -> None:
     renderer = hf_renderer(materialise("qwen3", tmp_path))
     end = renderer.tokenizer.encode("<|im_end|>")[0]
     engine = ScriptedEngine([], end)
-    app = create_app(Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="qwen3")
+    app = build(engine, renderer, model="qwen3").app
     history = [{"role": "user", "content": "Task: count."}]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         for turn in range(3):

@@ -13,12 +13,11 @@ from typer.testing import CliRunner
 
 from tests.conftest import MODEL_NAME
 from tests.support.fake_engines import serving
+from tests.support.served import build
 from tokentape.cli import app as cli
 from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
 from tokentape.store.datasets import read_dataset
 from tokentape.store.sqlite import SqliteStore
 
@@ -93,8 +92,7 @@ async def test_a_bad_max_lag_is_a_400_naming_it(
 
 
 def test_the_cli_export_passes_max_lag_on(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> None:
-    registry = SessionRegistry(SqliteStore(tmp_path / "store.sqlite3"))
-    with serving(create_app(Gateway(engine, renderer, registry), model_id=MODEL_NAME)) as url:
+    with serving(build(engine, renderer, store=SqliteStore(tmp_path / "store.sqlite3")).app) as url:
         body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
         httpx.post(f"{url}/sessions/early/v1/chat/completions", json=body).raise_for_status()
         # a trainer that pushed its weights itself: only the recorded version moves (the engine keeps its own)

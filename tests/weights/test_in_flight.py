@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.served import build
 from tests.support.weights import Stepper
 from tests.weights.reference import cold_greedy, cold_greedy_kept
 from tokentape.core.sampling import SamplingParams
@@ -178,11 +179,8 @@ async def test_the_real_sdk_gets_one_stream_across_an_update(
     import httpx
     import openai
 
-    from tokentape.server.app import create_app
-
     stepper = Stepper(own_engine, hold_after=K)
-    gateway = Gateway(stepper, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="smollm2")
+    app = build(stepper, renderer, model="smollm2").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         sdk = openai.AsyncOpenAI(base_url="http://t/sessions/sdk/v1", api_key="x", http_client=http, max_retries=0)
 

@@ -6,13 +6,10 @@ import asyncio
 
 import httpx
 
+from tests.support.served import build
 from tests.support.weights import RefusingEngine
 from tokentape.engines.weights import WeightSource
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 
 class SlowLoad(RefusingEngine):
@@ -31,8 +28,7 @@ class SlowLoad(RefusingEngine):
 
 async def test_a_pause_sent_while_an_update_runs_stays_after_it(renderer: Renderer) -> None:
     engine = SlowLoad()
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in")
+    app = build(engine, renderer, model="stand-in").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         update = asyncio.create_task(admin.post("/admin/weights", json={"version": 1, "engine_managed": True}))
         await asyncio.wait_for(engine.loading.wait(), 30)
@@ -48,8 +44,7 @@ async def test_a_pause_sent_while_an_update_runs_stays_after_it(renderer: Render
 
 
 async def test_resume_cannot_move_the_version_back(renderer: Renderer) -> None:
-    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in")
+    app = build(RefusingEngine(loads_ok=10), renderer, model="stand-in").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         assert (await admin.post("/admin/weights", json={"version": 4, "engine_managed": True})).status_code == 200
         await admin.post("/admin/pause", json={})

@@ -11,13 +11,11 @@ import pytest
 
 from tests.engines.test_remote_weights import Stand
 from tests.support.fake_engines import serving
+from tests.support.served import build
 from tokentape.engines.remote import VLLMEngine
 from tokentape.engines.router import Router
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -26,11 +24,9 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], 
 async def pool(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway, Stand, str]]:
     first, late = Stand("vllm"), Stand("vllm")
     with serving(first.app()) as first_url, serving(late.app()) as late_url:
-        gateway = Gateway(
-            Router([VLLMEngine(first_url)], vocab_size=49152), renderer, SessionRegistry(SqliteStore(":memory:"))
-        )
+        built = build(Router([VLLMEngine(first_url)], vocab_size=49152), renderer, model="fake-model")
+        gateway, app = built.gateway, built.app
         await gateway.start()
-        app = create_app(gateway, model_id="fake-model")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             yield http, gateway, late, late_url
         await gateway.aclose()

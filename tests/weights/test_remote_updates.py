@@ -12,13 +12,11 @@ import pytest
 
 from tests.engines.test_remote_weights import Stand
 from tests.support.fake_engines import serving
+from tests.support.served import build
 from tokentape.engines.remote import SGLangEngine, VLLMEngine
 from tokentape.engines.router import Router
 from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
@@ -28,9 +26,9 @@ async def pool(renderer: Renderer) -> AsyncIterator[tuple[httpx.AsyncClient, Sta
     vllm, sglang = Stand("vllm"), Stand("sglang", version="0.5.9")
     with serving(vllm.app()) as vllm_url, serving(sglang.app()) as sglang_url:
         router = Router([VLLMEngine(vllm_url), SGLangEngine(sglang_url)], vocab_size=49152)
-        gateway = Gateway(router, renderer, SessionRegistry(SqliteStore(":memory:")))
+        built = build(router, renderer, model="fake-model")
+        gateway, app = built.gateway, built.app
         await gateway.start()
-        app = create_app(gateway, model_id="fake-model")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             yield http, vllm, sglang, gateway
         await gateway.aclose()

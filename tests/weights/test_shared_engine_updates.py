@@ -6,19 +6,15 @@ from __future__ import annotations
 import httpx
 
 from tests.support.weights import RefusingEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.ray.actors import SharedEngineUpdates
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
+from tokentape.served import ServeSpec, build_served
 
 
 async def test_an_update_over_shared_remote_engines_is_refused_and_changes_nothing(renderer: Renderer) -> None:
     engine = RefusingEngine(loads_ok=10)
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    gateway.updates = SharedEngineUpdates(gateway.gate, gateway.engines, [])
-    app = create_app(gateway, model_id="stand-in")
+    spec = ServeSpec(served_model_name="stand-in")
+    app = build_served(spec, engine=engine, renderer=renderer, updates=SharedEngineUpdates).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         answer = await admin.post("/admin/weights", json={"version": 1, "engine_managed": True})
         assert answer.status_code == 409, answer.text

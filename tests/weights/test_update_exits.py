@@ -10,14 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.served import build
 from tests.support.weights import RefusingEngine
 from tokentape.engines.weights import InFlight, WeightSource, WeightUpdateFailed
 from tokentape.gateway.service import Gateway
 from tokentape.gateway.sessions import SessionRegistry
 from tokentape.gateway.updates import WeightUpdate
 from tokentape.render.renderer import Renderer
-from tokentape.server.app import create_app
-from tokentape.server.middleware import GuardSettings
 from tokentape.store.sqlite import SqliteStore
 
 
@@ -55,8 +54,7 @@ class LoadsForever(RefusingEngine):
 
 async def test_a_rollback_keeps_an_operators_pause(renderer: Renderer) -> None:
     engine = FailsTheNewVersion()
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in")
+    app = build(engine, renderer, model="stand-in").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         failed = await admin.post("/admin/weights", json={"version": 1, "model": "/weights/new.gguf"})
         assert failed.status_code == 502, failed.text
@@ -71,8 +69,7 @@ async def test_a_rollback_keeps_an_operators_pause(renderer: Renderer) -> None:
 
 
 async def test_a_rollback_without_a_pause_releases_generation(renderer: Renderer) -> None:
-    gateway = Gateway(FailsTheNewVersion(), renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in")
+    app = build(FailsTheNewVersion(), renderer, model="stand-in").app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         await admin.post("/admin/weights", json={"version": 1, "model": "/weights/new.gguf"})
         assert (await admin.get("/admin/status")).json()["paused"] is True  # held by the failure
@@ -99,8 +96,7 @@ async def test_a_cancelled_update_leaves_every_engine_resumed(renderer: Renderer
 
 
 async def test_a_path_no_file_can_have_is_a_400_naming_it(renderer: Renderer) -> None:
-    gateway = Gateway(RefusingEngine(loads_ok=10), renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in", guard=GuardSettings(weights_dirs=[Path("/weights")]))
+    app = build(RefusingEngine(loads_ok=10), renderer, model="stand-in", weights_dirs=(Path("/weights"),)).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         for path in ("/weights/a\0b.gguf", "/weights/" + "x" * 5000):
             refused = await admin.post("/admin/weights", json={"version": 1, "lora": path})
@@ -137,8 +133,7 @@ async def test_the_file_checked_is_the_file_loaded(renderer: Renderer, tmp_path:
     link = allowed / "latest.gguf"
     link.symlink_to(inside)
     engine = SwapsTheLink(link, outside)
-    gateway = Gateway(engine, renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="stand-in", guard=GuardSettings(weights_dirs=[allowed]))
+    app = build(engine, renderer, model="stand-in", weights_dirs=(allowed,)).app
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as admin:
         done = await admin.post("/admin/weights", json={"version": 1, "lora": str(link)})
         assert done.status_code == 200, done.text
