@@ -79,17 +79,15 @@ async def _post(app: Any, path: str, body: bytes) -> int:
 
 async def _worker(requests: int) -> dict[str, float]:
     from tokentape.engines.scripted import ScriptedEngine
-    from tokentape.gateway.service import Gateway
-    from tokentape.gateway.sessions import SessionRegistry
     from tokentape.runtime import embedded_model_path, gguf_renderer
-    from tokentape.server.app import create_app
+    from tokentape.served import ServeSpec, build_served
     from tokentape.server.heap import settle_for_serving
-    from tokentape.store.sqlite import SqliteStore
 
     renderer = gguf_renderer(embedded_model_path())
     end = renderer.tokenizer.encode(renderer.turn_close)[0]
-    gateway = Gateway(ScriptedEngine([42, 43, 44], end), renderer, SessionRegistry(SqliteStore(":memory:")))
-    app = create_app(gateway, model_id="m")
+    engine = ScriptedEngine([42, 43, 44], end)
+    built = build_served(ServeSpec(served_model_name="m"), engine=engine, renderer=renderer)
+    gateway, app = built.gateway, built.app
     await gateway.start()
     settle_for_serving()  # the collector as `tokentape serve` sets it, so a collection falls on no route by chance
     spent = dict.fromkeys(BODIES, 0.0)

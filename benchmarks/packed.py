@@ -36,12 +36,9 @@ from tests.support.models import materialise
 
 from tokentape.core.packed import pack_branches
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import embedded_model_path, gguf_renderer, hf_renderer
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
+from tokentape.served import ServeSpec, build_served
 from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
 from tokentape.train.packed import branch_rows, packed_groups, packed_loss, packed_token_logprobs
 
@@ -58,7 +55,7 @@ class Recorder:
         self.tokenizer = renderer.tokenizer
         self.end = renderer.tokenizer.encode(end_text)[0]
         self.engine = ScriptedEngine([], self.end)
-        self.app = create_app(Gateway(self.engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id="m")
+        self.app = build_served(ServeSpec(served_model_name="m"), engine=self.engine, renderer=renderer).app
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t")
 
     async def chat(self, session: str, messages: list[dict[str, str]], replies: list[str], **extra: Any) -> None:

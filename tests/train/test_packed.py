@@ -26,13 +26,10 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.conftest import MODEL_NAME
+from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
-from tokentape.gateway.service import Gateway
-from tokentape.gateway.sessions import SessionRegistry
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import embedded_model_path
-from tokentape.server.app import create_app
-from tokentape.store.sqlite import SqliteStore
 from tokentape.train.loss import Sample, build_batch, loss_and_metrics, samples_from_export, token_logprobs
 from tokentape.train.packed import PackedBatch, build_packed, packed_groups, packed_loss, packed_token_logprobs
 from tokentape.train.weights import f32_gguf, load_model
@@ -73,9 +70,7 @@ class Recorder:
         self.tokenizer = renderer.tokenizer
         self.end = renderer.tokenizer.encode("<|im_end|>")[0]
         self.engine = ScriptedEngine([], self.end)
-        self.app = create_app(
-            Gateway(self.engine, renderer, SessionRegistry(SqliteStore(":memory:"))), model_id=MODEL_NAME
-        )
+        self.app = build(self.engine, renderer).app
 
     def answers(self, *texts: str) -> None:
         for text in texts:
