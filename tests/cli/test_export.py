@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import MODEL_NAME
-from tests.reliability.test_export_late_fields import _plain
+from tests.store.test_export_late_fields import _plain
 from tests.support.fake_engines import serving
 from tests.support.served import build
 from tokentape.cli import app as cli

@@ -8,7 +8,7 @@ import inspect
 import sqlite3
 from pathlib import Path
 
-from tests.reliability.test_store_writes import _turn
+from tests.store.test_store_writes import _turn
 from tokentape.core.session import SessionTree
 from tokentape.core.tape import Rewrite, TurnNode
 from tokentape.store.schema import SESSIONS, TURN_COLUMNS, TURNS, Column, Table

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tests.reliability.test_store_writes import _stored_turns, _turn
+from tests.store.test_store_writes import _stored_turns, _turn
 from tokentape.core.session import SessionTree
 from tokentape.errors import StoreFailure
 from tokentape.store.sqlite import SqliteStore

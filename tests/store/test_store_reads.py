@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tests.reliability.test_store_writes import _turn
+from tests.store.test_store_writes import _turn
 from tests.support.served import build
 from tokentape.core.formats import FORMATS, format_rows, samples_of
 from tokentape.core.session import SessionTree
