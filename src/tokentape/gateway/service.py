@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokentape.core.context_room import clips_max_tokens, fit_to_context, overflow_from_floor, prompt_room
 from tokentape.core.episodes import episode_head, is_side_call, side_session_id
 from tokentape.core.reply import ParsedReply
 from tokentape.core.sampling import SamplingParams
@@ -28,7 +29,7 @@ from tokentape.core.tape import TurnNode, path_tokens
 from tokentape.core.token_ids import FirstPromptIds
 from tokentape.core.versions import parse_version
 from tokentape.engines.base import Constraint, Engine, EnginePool, PromptImage, SampledToken, takes_images
-from tokentape.errors import Conflict, ContextOverflow, InvalidRequest, Overloaded
+from tokentape.errors import Conflict, InvalidRequest, Overloaded
 from tokentape.gateway.calls import (
     Call,
     ChatCall,
@@ -281,7 +282,7 @@ class Gateway:
         try:
             prompt = await self.planner.completion_prompt(call.prompt, self.engine.context_length - 1)
         except PromptTooLong as exc:
-            raise self._too_long(exc.floor, call.sampling, clip=True) from None
+            raise overflow_from_floor(self.engine.context_length, exc.floor, call.sampling, clip=True) from None
         async for event in self._serve(call, prompt, streamed):
             yield event
 
@@ -308,16 +309,19 @@ class Gateway:
             # resent from memory ran at 0.8 of the throughput of new ones (whose first request waits
             # for a store read anyway), 1.0 with it.
             await asyncio.sleep(0)
+            context = self.engine.context_length
+            clip = clips_max_tokens(self.clip_max_tokens, session.tree.outcome.metadata)
             if completion_prompt is not None:
                 plan = self.planner.completion(session.tree, completion_prompt)
             else:
                 assert isinstance(call, ChatCall)
-                clip = self._clips(session)
                 try:
-                    plan = await self.planner.chat(session.tree, call, self._room(call.sampling, clip))
+                    plan = await self.planner.chat(session.tree, call, prompt_room(context, call.sampling, clip))
                 except PromptTooLong as exc:
-                    raise self._too_long(exc.floor, call.sampling, clip) from None
-            sampling = self._check_room(plan.prompt, call.sampling, self._clips(session))
+                    raise overflow_from_floor(context, exc.floor, call.sampling, clip) from None
+            sampling = fit_to_context(
+                len(plan.prompt), context, self.renderer.tokenizer.vocab_size, call.sampling, clip
+            )
             if self._banned:  # a vision model: its placeholders are never sampled
                 sampling = dataclasses.replace(sampling, banned_token_ids=self._banned)
             images = await self._prompt_images(session, call, plan)
@@ -439,52 +443,6 @@ class Gateway:
     def _track_write(self, write: asyncio.Future[None]) -> None:
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
-
-    def _clips(self, session: Session) -> bool:
-        """Whether a `max_tokens` beyond the room left is clipped (finish `length`) rather than refused:
-        opt-in for the whole gateway (`clip_max_tokens`) or per session (metadata `max_tokens: clip`),
-        and always for a harness's sessions (Claude Code asks for 128,000, opencode for 32,000)."""
-        metadata = session.tree.outcome.metadata
-        return self.clip_max_tokens or metadata.get("max_tokens") == "clip" or "harness" in metadata
-
-    def _room(self, sampling: SamplingParams, clip: bool) -> int:
-        """The most tokens a prompt may hold (`_check_room`'s rule, before the prompt is known)."""
-        context = self.engine.context_length
-        return context - 1 if clip else context - (sampling.max_tokens or 1)
-
-    def _too_long(self, floor: int, sampling: SamplingParams, clip: bool) -> ContextOverflow:
-        """The refusal of a prompt known to hold at least `floor` tokens by the length of its text, more
-        than `_room` leaves: found before it was rendered whole or tokenized (`render.bounds`)."""
-        context = self.engine.context_length
-        wanted = "" if clip else f", and {sampling.max_tokens or 1} more to generate"
-        return ContextOverflow(
-            f"this model's context holds {context} tokens; the prompt holds at least {floor} by the length of its "
-            f"text alone{wanted}",
-            param="messages",
-        )
-
-    def _check_room(self, prompt: Sequence[int], sampling: SamplingParams, clip: bool = False) -> SamplingParams:
-        outside = sampling.token_ids_outside(self.renderer.tokenizer.vocab_size)
-        if outside is not None:
-            field, token = outside
-            raise InvalidRequest(
-                f"{field} names token {token}; the model's vocabulary has {self.renderer.tokenizer.vocab_size} tokens",
-                param=field,
-            )
-        context = self.engine.context_length
-        wanted = len(prompt) + (sampling.max_tokens or 1)
-        if clip and len(prompt) < context and wanted > context:
-            return dataclasses.replace(sampling, max_tokens=context - len(prompt))
-        if wanted > context:
-            raise ContextOverflow(
-                f"this model's context holds {context} tokens; the request needs {wanted} "
-                f"({len(prompt)} in the prompt, {sampling.max_tokens or 1} to generate)",
-                param="max_tokens" if len(prompt) < context else "messages",
-                prompt_tokens=len(prompt),
-                max_tokens=sampling.max_tokens or 1,
-                context_length=context,
-            )
-        return sampling
 
     # -- retries ---------------------------------------------------------------------------------------
     async def _replay(self, ticket: Ticket) -> list[Event] | None:
