@@ -264,12 +264,22 @@ def test_a_killed_gateway_loses_no_acknowledged_turn_and_its_sessions_go_on(clus
                 {"role": "user", "content": "More."},
             ]
 
+    on_victim = [c["session_id"] for c in created if c["base_url"].startswith(victim["url"])]
+    before_kill: dict[str, int] = {}
+
     async def run() -> None:
         stop = asyncio.Event()
         tasks = [asyncio.create_task(agent(c, stop)) for c in created]
         await asyncio.sleep(3)
+        before_kill.update({sid: len(turns) for sid, turns in acknowledged.items()})
         os.kill(victim["pid"], signal.SIGKILL)
-        await asyncio.sleep(12)
+        # until every session of the killed gateway has had two turns acknowledged since (by the
+        # restarted gateway), or 60 s
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            len(acknowledged[sid]) >= before_kill[sid] + 2 for sid in on_victim
+        ):
+            await asyncio.sleep(0.2)
         stop.set()
         await asyncio.gather(*tasks)
 
@@ -284,9 +294,10 @@ def test_a_killed_gateway_loses_no_acknowledged_turn_and_its_sessions_go_on(clus
         for tokens in acknowledged[c["session_id"]]:
             lost += not any(branch[: len(tokens)] == tokens for branch in stored)
     assert lost == 0
-    on_victim = [c for c in created if c["base_url"].startswith(victim["url"])]
     assert on_victim, "the killed gateway owned some of the sessions"
-    assert all(len(acknowledged[c["session_id"]]) >= 2 for c in on_victim), "its sessions went on after the restart"
+    assert all(len(acknowledged[sid]) >= before_kill[sid] + 2 for sid in on_victim), (
+        "its sessions went on after the restart"
+    )
 
 
 def test_the_trajectory_queue_hands_over_every_finished_session_once(cluster: dict[str, Any]) -> None:
