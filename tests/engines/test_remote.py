@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -23,6 +23,7 @@ from tests.support.fake_engines import (
     vllm_app,
 )
 from tokentape.core.sampling import SamplingParams
+from tokentape.engines import router as router_module
 from tokentape.engines.base import Constraint, SampledToken, came_together
 from tokentape.engines.remote import RemoteEngine, SGLangEngine, VLLMEngine, VLLMGenerateEngine, make_engine
 from tokentape.engines.remote import client as remote_client
@@ -44,14 +45,40 @@ ADAPTERS = [
 ]
 
 
+class _Current:
+    """An ASGI app that hands each request to the app set last: one server per adapter kind serves the
+    module (starting and stopping uvicorn costs more than most tests here), while each test gets a
+    fresh app on a fresh state, so a request still running from an earlier test touches only its own."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, tuple[_Current, str]]]:
+    with contextlib.ExitStack() as stack:
+        shared: dict[str, tuple[_Current, str]] = {}
+        for kind, _, _ in ADAPTERS:
+            current = _Current()
+            shared[kind] = current, stack.enter_context(serving(current, lifespan="off"))  # type: ignore[arg-type]
+        yield shared
+
+
 @pytest.fixture(params=ADAPTERS, ids=[a[0] for a in ADAPTERS])
-def remote(request: pytest.FixtureRequest) -> Iterator[tuple[RemoteEngine, FakeState]]:
+async def remote(
+    request: pytest.FixtureRequest, servers: dict[str, tuple[_Current, str]]
+) -> AsyncIterator[tuple[RemoteEngine, FakeState]]:
     kind, cls, app = request.param
     state = FakeState()
-    with serving(app(state)) as url:
-        engine = cls(url)
-        assert engine.kind == kind
-        yield engine, state
+    current, url = servers[kind]
+    current.app = app(state)
+    engine = cls(url)
+    assert engine.kind == kind
+    yield engine, state
+    await engine.close()  # its connections to the shared server go with it
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -258,7 +285,9 @@ async def test_a_session_id_that_is_no_header_value_is_sent_quoted(remote: tuple
     assert state.session_headers[-1] == "abc%0A"
 
 
-async def test_only_the_engines_own_failures_take_it_out_of_rotation() -> None:
+async def test_only_the_engines_own_failures_take_it_out_of_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the on-demand re-probe's spacing, shortened: that a probe waits for it is checked, not its length
+    monkeypatch.setattr(router_module, "REPROBE_INTERVAL", 0.2)
     state = FakeState()
     with serving(vllm_app(state)) as url:
         router = Router([VLLMEngine(url)])
@@ -287,7 +316,7 @@ async def test_only_the_engines_own_failures_take_it_out_of_rotation() -> None:
         state.fail_next = 1
         with pytest.raises(EngineFailure):
             await turn(SamplingParams(max_tokens=5))
-        await asyncio.sleep(1.1)  # past the re-probe interval: the probe says 503, so 503 here
+        await asyncio.sleep(0.3)  # past the re-probe interval: the probe says 503, so 503 here
         with pytest.raises(EngineUnavailable) as unavailable:
             await turn(SamplingParams(max_tokens=5))
         assert unavailable.value.status == 503 and unavailable.value.retry_after == router.health_interval
