@@ -21,11 +21,12 @@ import pytest
 
 from tests.support.fake_engines import serving
 from tests.support.models import materialise
+from tests.support.sdk_shapes import check_responses_event
 from tests.support.served import build
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
-from tokentape.server.dialects import responses_input, responses_output, responses_tools
+from tokentape.server.dialects import responses_input, responses_tools
 
 BASE_PROMPT = "You are a coding agent running in the Codex CLI, a terminal-based coding assistant."
 SKILLS = "<skills_instructions>\n## Skills\nA skill is a set of local instructions.\n</skills_instructions>"
@@ -120,7 +121,7 @@ async def _streamed(sdk: openai.AsyncOpenAI, **fields: Any) -> Any:
     stream = await sdk.responses.create(stream=True, **fields)
     final = None
     async for event in stream:
-        responses_output.check_event(event.model_dump(exclude_none=True))
+        check_responses_event(event.model_dump(exclude_none=True))
         if event.type == "response.completed":
             final = event.response
     assert final is not None

@@ -5,22 +5,24 @@ bad input answered in each dialect's error shape without touching any session.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
 from tests.conftest import MODEL_NAME
+from tests.support.sdk_shapes import check_anthropic_event, check_message, check_response, check_responses_event
 from tests.support.served import build
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.render.renderer import Renderer
 from tokentape.server.dialects import (
     anthropic_input,
-    anthropic_output,
     responses_history,
     responses_input,
-    responses_output,
 )
 from tokentape.server.dialects.responses_input import LOGPROBS_INCLUDE
 
@@ -41,7 +43,7 @@ async def test_responses_stream_events_are_the_sdks_types(http: httpx.AsyncClien
     assert response.status_code == 200
     events = _events(response.text)
     for name, event in events:
-        responses_output.check_event(event)
+        check_responses_event(event)
         assert name == event["type"]
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
     kinds = [e["type"] for _, e in events]
@@ -63,7 +65,7 @@ async def test_anthropic_stream_events_are_the_sdks_types(http: httpx.AsyncClien
     assert response.status_code == 200
     events = _events(response.text)
     for name, event in events:
-        anthropic_output.check_event(event)
+        check_anthropic_event(event)
         assert name == event["type"]
     kinds = [e["type"] for _, e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
@@ -323,29 +325,37 @@ async def test_the_previous_response_is_looked_up_once_before_the_turn(
 async def test_no_sdk_validation_runs_on_a_recorded_turn(
     http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, route: str, stream: bool
 ) -> None:
-    """The SDK-type checks of response bodies are the tests' (`check_response`, `check_message`): on
-    the serving path the turn is already recorded, and a failure there would answer 500 for it."""
-
-    class Refuses:
-        @staticmethod
-        def model_validate(body: Any) -> Any:
-            raise AssertionError("validated on the serving path")
-
-    monkeypatch.setattr(responses_output, "Response", Refuses)
-    monkeypatch.setattr(anthropic_output, "AnthropicMessage", Refuses)
+    """The SDK-type checks of response bodies are the tests' (tests/support/sdk_shapes.py): on the
+    serving path the turn is already recorded, and a failure there would answer 500 for it. Every
+    SDK module is made unimportable while the turn is served, so a lazy import of one fails it."""
     if route == "responses":
         body: dict[str, Any] = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 3}
     else:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-    response = await http.post(f"/v1/{route}", json={**body, "stream": stream})
+    with monkeypatch.context() as blocked:
+        for name in list(sys.modules):
+            if name.split(".")[0] in ("anthropic", "openai"):
+                blocked.setitem(sys.modules, name, None)  # type: ignore[arg-type]
+        response = await http.post(f"/v1/{route}", json={**body, "stream": stream})
     assert response.status_code == 200, response.text
     assert "event: error" not in response.text
-    with pytest.raises(AssertionError):  # the tests' own checks do use the SDK's types
-        (responses_output.check_response if route == "responses" else anthropic_output.check_message)({})
+    with pytest.raises(pydantic.ValidationError):  # the tests' own checks do use the SDK's types
+        (check_response if route == "responses" else check_message)({})
+
+
+def test_the_gateway_never_imports_the_sdks() -> None:
+    """`tokentape serve` and the served app load neither SDK (their type unions alone take about a
+    second to import and build, paid on every start)."""
+    code = (
+        "import sys, tokentape.cli.serve, tokentape.served, tokentape.server.dialects.registry;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'anthropic', 'openai'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 async def test_whole_bodies_are_the_sdks_types(http: httpx.AsyncClient) -> None:
     body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4, "include": [LOGPROBS_INCLUDE]}
-    responses_output.check_response((await http.post("/v1/responses", json=body)).json())
+    check_response((await http.post("/v1/responses", json=body)).json())
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True}
-    anthropic_output.check_message((await http.post("/v1/messages", json=body)).json())
+    check_message((await http.post("/v1/messages", json=body)).json())

@@ -1,6 +1,7 @@
 """An Anthropic Messages turn's answer: the whole `Message` or the stream of events that builds it
-(`MessageShaper`), as the `anthropic` package's own types, with the stop reason in Anthropic's words
-and the token data; and the checks of those shapes against the SDK's types that the tests run."""
+(`MessageShaper`), in the `anthropic` package's own shapes, with the stop reason in Anthropic's words
+and the token data. The SDK's types are never imported here: the tests check these shapes against
+them (tests/support/sdk_shapes.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import pydantic
-from anthropic.types import Message as AnthropicMessage
-from anthropic.types import RawMessageStreamEvent
-
 from tokentape.core.tape import FinishReason
 from tokentape.engines.base import SampledToken
 from tokentape.engines.remote.wire import wire_ids
@@ -20,7 +17,7 @@ from tokentape.gateway.calls import ChoiceDone, TextDelta
 from tokentape.server.dialects.anthropic_input import MessagesRequest
 from tokentape.server.dialects.wire import TokenText
 
-__all__ = ["MessageShaper", "check_event", "check_message", "finish_words"]
+__all__ = ["MessageShaper", "finish_words"]
 
 
 def _tool_id(call_id: str) -> str:
@@ -185,19 +182,3 @@ class MessageShaper:
 
 def finish_words(finish: FinishReason) -> str:
     return {"length": "max_tokens", "abort": "max_tokens"}.get(finish, "end_turn")
-
-
-_EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RawMessageStreamEvent)
-
-
-def check_message(body: dict[str, Any]) -> dict[str, Any]:
-    """The body checked against the `anthropic` package's own `Message` type, so that a shape the
-    SDK would misread fails in the tests. Never on the serving path: the turn is recorded by then."""
-    AnthropicMessage.model_validate(body)
-    return body
-
-
-def check_event(event: dict[str, Any]) -> dict[str, Any]:
-    """One stream event checked against the `anthropic` package's event union (used by the tests)."""
-    _EVENTS.validate_python(event)
-    return event

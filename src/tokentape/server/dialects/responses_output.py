@@ -1,6 +1,7 @@
 """A Responses turn's answer: the whole `Response` or the stream of events that builds it
-(`ResponseShaper`), as the `openai` package's own types, with the token data chat completions carry;
-and the checks of those shapes against the SDK's types that the tests run."""
+(`ResponseShaper`), in the `openai` package's own shapes, with the token data chat completions carry.
+The SDK's types are never imported here: the tests check these shapes against them
+(tests/support/sdk_shapes.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import pydantic
-from openai.types.responses import Response, ResponseStreamEvent
-
 from tokentape.engines.base import SampledToken
 from tokentape.engines.remote.wire import wire_ids
 from tokentape.gateway.calls import ChoiceDone, TextDelta
@@ -20,7 +18,7 @@ from tokentape.server.dialects.responses_input import ENCRYPTED_INCLUDE, Respons
 from tokentape.server.dialects.responses_tools import tool_table
 from tokentape.server.dialects.wire import TokenText
 
-__all__ = ["ResponseShaper", "check_event", "check_response"]
+__all__ = ["ResponseShaper"]
 
 
 def _new_id(prefix: str) -> str:
@@ -275,19 +273,3 @@ def _echoed_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
     if tool.get("type") == "function":
         return {"strict": None, "description": None, **tool}
     return dict(tool)
-
-
-_EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
-
-
-def check_response(body: dict[str, Any]) -> dict[str, Any]:
-    """The body checked against the `openai` package's own `Response` type, so that a shape the SDK
-    would misread fails in the tests. Never on the serving path: the turn is recorded by then."""
-    Response.model_validate(body)
-    return body
-
-
-def check_event(event: dict[str, Any]) -> dict[str, Any]:
-    """One stream event checked against the `openai` package's event union (used by the tests)."""
-    _EVENT_ADAPTER.validate_python(event)
-    return event
