@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,18 +156,48 @@ class Stand:
         return held  # type: ignore[return-value]  # an ASGI app, as Starlette is
 
 
+class Server:
+    """One uvicorn server for the module (starting and stopping one costs more than most tests here)
+    that hands each request to the stand set last: every test serves a fresh stand of its own, and a
+    request still running from an earlier test reaches only that test's stand."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+        self.url = ""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+    def serving(self, app: Any) -> str:
+        self.app = app
+        return self.url
+
+
+def _server() -> Iterator[Server]:
+    shared = Server()
+    with serving(shared, lifespan="off") as url:  # type: ignore[arg-type]  # an ASGI app, as Starlette is
+        shared.url = url
+        yield shared
+
+
+server = pytest.fixture(scope="module")(_server)
+sglang_server = pytest.fixture(scope="module")(_server)  # the `sglang` stand's, beside a `vllm` one
+
+
 @pytest.fixture
-def vllm() -> Iterator[tuple[VLLMEngine, Stand]]:
+async def vllm(server: Server) -> AsyncIterator[tuple[VLLMEngine, Stand]]:
     stand = Stand("vllm")
-    with serving(stand.app()) as url:
-        yield VLLMEngine(url), stand
+    engine = VLLMEngine(server.serving(stand.app()))
+    yield engine, stand
+    await engine.close()  # its connections to the shared server go with it
 
 
 @pytest.fixture
-def sglang() -> Iterator[tuple[SGLangEngine, Stand]]:
+async def sglang(sglang_server: Server) -> AsyncIterator[tuple[SGLangEngine, Stand]]:
     stand = Stand("sglang", version="0.5.9")
-    with serving(stand.app()) as url:
-        yield SGLangEngine(url), stand
+    engine = SGLangEngine(sglang_server.serving(stand.app()))
+    yield engine, stand
+    await engine.close()  # its connections to the shared server go with it
 
 
 async def _update(engine: UpdatableRemote, source: WeightSource, in_flight: InFlight, version: int = 7) -> None:
@@ -258,20 +288,20 @@ async def _generate(engine: UpdatableRemote) -> None:
 
 
 @pytest.mark.parametrize("cls", [VLLMEngine, VLLMGenerateEngine])
-async def test_vllm_generations_name_the_loaded_adapter_as_their_model(cls: type[VLLMEngine]) -> None:
+async def test_vllm_generations_name_the_loaded_adapter_as_their_model(cls: type[VLLMEngine], server: Server) -> None:
     stand = Stand("vllm")
-    with serving(stand.app()) as url:
-        engine = cls(url)
-        await engine.discover()
-        await _generate(engine)
-        assert stand.generation.requests[-1]["model"] == "fake-model"
-        await _update(engine, LORA, "continue")
-        await _generate(engine)
-        assert stand.generation.requests[-1]["model"] == LORA_NAME
-        await _update(engine, MODEL, "continue", version=8)  # new base weights: no adapter on them
-        await _generate(engine)
-        assert stand.generation.requests[-1]["model"] == "fake-model"
-        await engine.close()
+    url = server.serving(stand.app())
+    engine = cls(url)
+    await engine.discover()
+    await _generate(engine)
+    assert stand.generation.requests[-1]["model"] == "fake-model"
+    await _update(engine, LORA, "continue")
+    await _generate(engine)
+    assert stand.generation.requests[-1]["model"] == LORA_NAME
+    await _update(engine, MODEL, "continue", version=8)  # new base weights: no adapter on them
+    await _generate(engine)
+    assert stand.generation.requests[-1]["model"] == "fake-model"
+    await engine.close()
 
 
 async def test_sglang_generations_name_the_loaded_adapter_and_the_one_before_is_unloaded(
@@ -337,26 +367,28 @@ async def test_a_refused_load_is_a_failure_in_the_engines_words(
     ],
 )
 async def test_what_an_engine_cannot_do_is_refused_before_anything_changes(
-    stand: Stand, source: WeightSource, in_flight: InFlight, words: str
+    server: Server, stand: Stand, source: WeightSource, in_flight: InFlight, words: str
 ) -> None:
-    with serving(stand.app()) as url:
-        engine = (VLLMEngine if stand.kind == "vllm" else SGLangEngine)(url)
-        with pytest.raises(WeightUpdateRefused, match=words):
-            await engine.check_weights(source, in_flight)
-        assert _posts(stand) == []  # nothing paused, loaded or flushed
-        await engine.close()
+    url = server.serving(stand.app())
+    engine = (VLLMEngine if stand.kind == "vllm" else SGLangEngine)(url)
+    with pytest.raises(WeightUpdateRefused, match=words):
+        await engine.check_weights(source, in_flight)
+    assert _posts(stand) == []  # nothing paused, loaded or flushed
+    await engine.close()
 
 
-async def test_a_vllm_engine_that_holds_the_adapter_already_is_named_so_and_keeps_it_under_a_kept_pause() -> None:
+async def test_a_vllm_engine_that_holds_the_adapter_already_is_named_so_and_keeps_it_under_a_kept_pause(
+    server: Server,
+) -> None:
     stand = Stand("vllm", adapters=[LORA_NAME])  # loaded by an earlier gateway process
-    with serving(stand.app()) as url:
-        engine = VLLMEngine(url)
-        await engine.discover()
-        assert (engine.model_id, engine.adapter) == ("fake-model", LORA_NAME)
-        await _generate(engine)
-        assert stand.generation.requests[-1]["model"] == LORA_NAME
-        await _update(engine, LORA, "keep")  # replaced in place under the requests it pauses
-        # new base weights would drop the adapter those requests run under
-        with pytest.raises(WeightUpdateRefused, match="drop the adapter that requests paused in place run under"):
-            await engine.check_weights(MODEL, "keep")
-        await engine.close()
+    url = server.serving(stand.app())
+    engine = VLLMEngine(url)
+    await engine.discover()
+    assert (engine.model_id, engine.adapter) == ("fake-model", LORA_NAME)
+    await _generate(engine)
+    assert stand.generation.requests[-1]["model"] == LORA_NAME
+    await _update(engine, LORA, "keep")  # replaced in place under the requests it pauses
+    # new base weights would drop the adapter those requests run under
+    with pytest.raises(WeightUpdateRefused, match="drop the adapter that requests paused in place run under"):
+        await engine.check_weights(MODEL, "keep")
+    await engine.close()
