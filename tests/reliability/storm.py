@@ -47,9 +47,13 @@ def sockets_to(pid: int, port: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def gateway_over_fake_vllm(token_delay: float, kind: str = "vllm") -> Iterator[tuple[RunningServer, FakeState, int]]:
+def gateway_over_fake_vllm(
+    token_delay: float, kind: str = "vllm", engine_keep_alive: int = 5
+) -> Iterator[tuple[RunningServer, FakeState, int]]:
+    """`engine_keep_alive`: seconds the engine keeps an idle connection (uvicorn's, as vLLM's server)."""
     state = FakeState(delay=token_delay)
-    with serving(vllm_app(state)) as url, running_server(["--engine", f"{kind}={url}"]) as server:
+    engine = serving(vllm_app(state), timeout_keep_alive=engine_keep_alive)
+    with engine as url, running_server(["--engine", f"{kind}={url}"]) as server:
         yield server, state, int(url.rsplit(":", 1)[1])
 
 
@@ -142,26 +146,31 @@ async def connections_per_request(server: RunningServer, state: FakeState, *, re
     return (len(state.peers) - before) / requests
 
 
-async def settled_sockets(server: RunningServer, pid: int, port: int) -> dict[str, int]:
-    """Sockets to the engine once idle connections had time to expire: wait past the keep-alive limits of
-    both sides, make one request (the pool drops expired connections when it is next used), count."""
-    await asyncio.sleep(6.0)
+async def settled_sockets(server: RunningServer, pid: int, port: int, engine_keep_alive: int) -> dict[str, int]:
+    """Sockets to the engine once idle connections had time to expire: wait past the engine's keep-alive
+    limit (it closes its idle connections, and the gateway closes its side when it reads their end), make
+    one request (the pool also drops connections past its own expiry when it is next used), count."""
+    await asyncio.sleep(engine_keep_alive + 1.0)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
         (await client.post("/v1/chat/completions", json=_body(-2, stream=False))).raise_for_status()
     await asyncio.sleep(0.5)
     return sockets_to(pid, port)
 
 
-async def storm_figures(*, abandoned: int, clients: int, token_delay: float = 0.0, kind: str = "vllm") -> Figures:
-    """The whole check: reuse measured, storm run, then sockets, health and a normal answer checked."""
-    with gateway_over_fake_vllm(token_delay, kind) as (server, state, port):
+async def storm_figures(
+    *, abandoned: int, clients: int, token_delay: float = 0.0, kind: str = "vllm", engine_keep_alive: int = 5
+) -> Figures:
+    """The whole check: reuse measured, storm run, then sockets, health and a normal answer checked.
+    `engine_keep_alive`: the engine's idle-connection limit in seconds (5, uvicorn's default, as vLLM's
+    server; shorter settles sooner)."""
+    with gateway_over_fake_vllm(token_delay, kind, engine_keep_alive) as (server, state, port):
         pid = server.process.pid
         sequential = await connections_per_request(server, state, requests=100, concurrency=1)
         concurrent = await connections_per_request(server, state, requests=160, concurrency=16)
-        before = await settled_sockets(server, pid, port)
+        before = await settled_sockets(server, pid, port, engine_keep_alive)
         storm = await abandon_storm(server, abandoned=abandoned, clients=clients)
         right_after = sockets_to(pid, port)
-        after = await settled_sockets(server, pid, port)
+        after = await settled_sockets(server, pid, port, engine_keep_alive)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             answer = await client.post("/v1/chat/completions", json=_body(-1, stream=False))
             engines = (await client.get("/admin/engines")).json()["data"]
