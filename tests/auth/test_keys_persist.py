@@ -39,11 +39,17 @@ async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_
         key = created["api_key"]
         agent = {"authorization": f"Bearer {key}"}
         assert httpx.post(f"{server.base_url}/v1/chat/completions", json=CHAT, headers=agent).status_code == 200
+        # a second session finished before the kill: finished stays finished for its key across a restart
+        created = httpx.post(f"{server.base_url}/sessions", json={"session_id": "done-key"}, headers=T).json()
+        done = {"authorization": f"Bearer {created['api_key']}"}
+        assert httpx.post(f"{server.base_url}/v1/chat/completions", json=CHAT, headers=done).status_code == 200
+        assert httpx.post(f"{server.base_url}/sessions/done-key/finish", headers=T).status_code == 200
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait()
     on_disk = store_bytes(store)
-    assert key.encode() not in on_disk and key.split(".")[-1].encode() not in on_disk
-    assert hashlib.sha256(key.encode()).digest() in on_disk
+    for secret in (key, created["api_key"]):
+        assert secret.encode() not in on_disk and secret.split(".")[-1].encode() not in on_disk
+        assert hashlib.sha256(secret.encode()).digest() in on_disk
     with running_server(args) as server:
         base = server.base_url
         reply = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=agent)
@@ -52,11 +58,11 @@ async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_
         assert httpx.post(f"{base}/sessions/durable-key/reward", json={"reward": 1}, headers=agent).status_code == 403
         wrong = {"authorization": f"Bearer {spoiled(key)}"}
         assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=wrong).status_code == 401
+        refused = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=done)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_finished"
+        assert httpx.get(f"{base}/sessions/done-key", headers=T).json()["turns"] == 1
         assert httpx.post(f"{base}/sessions/durable-key/finish", headers=T).status_code == 200
         assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=agent).status_code == 409
-    with running_server(args) as server:  # finished stays finished for its key across a restart
-        refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=CHAT, headers=agent)
-        assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_finished"
     assert key.encode() not in store_bytes(store)
 
 
