@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from tests.support.served import build
+from tokentape.core.tape import path_tokens
 from tokentape.engines.scripted import ScriptedEngine
 from tokentape.gateway.sessions import MemoryLimits
 from tokentape.launcher import RunningServer, running_server
@@ -266,14 +267,20 @@ async def kill_loop(
             await asyncio.gather(*work, return_exceptions=True)
             server.process.wait()
             extended_after_restart += int(sum(len(v) for v in acknowledged.values()) > before)
-    lost = 0
-    with running_server(args) as server:
+    # after the last kill, the store as a restarting gateway loads it (its own reader, in this process:
+    # the restarts of the cycles above already showed a gateway starting on it)
+    lost = rewrites = 0
+    reader = SqliteStore(store)
+    try:
         for session, turns in acknowledged.items():
-            branches = httpx.get(f"{server.base_url}/sessions/{session}/export").json()["branches"]
+            tree = await reader.load(session)
+            paths = [path_tokens(node) for node in tree.nodes] if tree is not None else []
             for sequence in turns:
-                if not any(b["tokens"][: len(sequence)] == sequence for b in branches):
+                if not any(p[: len(sequence)] == sequence for p in paths):
                     lost += 1
-        rewrites = sum(httpx.get(f"{server.base_url}/sessions/{s}").json()["rewrites"] for s in acknowledged)
+            rewrites += len(tree.rewrites) if tree is not None else 0
+    finally:
+        reader.close()
     stored = _stored_paths(store)
     duplicates = sum(
         max(0, stored.get(session, []).count(tuple(t)) - 1) for session, ts in acknowledged.items() for t in ts
