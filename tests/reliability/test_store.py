@@ -20,8 +20,10 @@ from tokentape.render.renderer import Renderer
 from tokentape.store.sqlite import SqliteStore
 
 
-async def _turns(base: str, session: str, count: int, messages: list[Any]) -> list[Any]:
-    client = openai.AsyncOpenAI(base_url=f"{base}/sessions/{session}/v1", api_key="x", max_retries=0)
+async def _turns(
+    base: str, session: str, count: int, messages: list[Any], http: httpx.AsyncClient | None = None
+) -> list[Any]:
+    client = openai.AsyncOpenAI(base_url=f"{base}/sessions/{session}/v1", api_key="x", max_retries=0, http_client=http)
     for i in range(count):
         messages.append({"role": "user", "content": f"Question {len(messages)}"})
         reply = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, seed=i)
@@ -29,7 +31,9 @@ async def _turns(base: str, session: str, count: int, messages: list[Any]) -> li
     return messages
 
 
-async def test_turns_survive_kill_minus_nine_and_sessions_keep_extending(tmp_path: Path) -> None:
+async def test_turns_survive_kill_minus_nine_and_sessions_keep_extending(
+    tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
+) -> None:
     store = tmp_path / "store.sqlite3"
     args = ["--store", str(store), "--context-length", "2048"]
     with running_server(args) as server:
@@ -37,14 +41,19 @@ async def test_turns_survive_kill_minus_nine_and_sessions_keep_extending(tmp_pat
         before = httpx.get(f"{server.base_url}/sessions/durable/export").json()
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait()
-    with running_server(args) as server:
-        after = httpx.get(f"{server.base_url}/sessions/durable/export").json()
+    # restarted on the same store: a gateway in this process, on the shared model (the same weights
+    # `tokentape serve` loads), instead of a second `tokentape serve`
+    built = build(engine, renderer, store=SqliteStore(store))
+    transport = httpx.ASGITransport(app=built.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        after = (await http.get("/sessions/durable/export")).json()
         assert after["branches"] == before["branches"]
-        await _turns(server.base_url, "durable", 1, messages)
-        summary = httpx.get(f"{server.base_url}/sessions/durable").json()
+        await _turns("http://t", "durable", 1, messages, http)
+        summary = (await http.get("/sessions/durable")).json()
         assert (summary["turns"], summary["branches"], summary["rewrites"]) == (3, 1, 0)
-        (branch,) = httpx.get(f"{server.base_url}/sessions/durable/export").json()["branches"]
+        (branch,) = (await http.get("/sessions/durable/export")).json()["branches"]
         assert branch["tokens"][: len(before["branches"][0]["tokens"])] == before["branches"][0]["tokens"]
+    built.gateway.sessions.store.close()
 
 
 async def test_deleted_sessions_stay_deleted(tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer) -> None:
