@@ -21,6 +21,7 @@ from tokentape.engines.llamacpp import LlamaCppEngine
 from tokentape.launcher import running_server
 from tokentape.render.renderer import Renderer
 from tokentape.served import ServeSpec, build_served
+from tokentape.store.sqlite import SqliteStore
 
 T = {"authorization": f"Bearer {TRAINER}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -31,7 +32,9 @@ def store_bytes(store: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(store.parent.iterdir()) if p.name.startswith(store.name))
 
 
-async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_path: Path) -> None:
+async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(
+    tmp_path: Path, engine: LlamaCppEngine, renderer: Renderer
+) -> None:
     store = tmp_path / "keys.sqlite3"
     args = ["--store", str(store), "--api-key", TRAINER]
     with running_server(args) as server:
@@ -50,19 +53,23 @@ async def test_keys_survive_kill_minus_nine_and_only_their_digest_is_stored(tmp_
     for secret in (key, created["api_key"]):
         assert secret.encode() not in on_disk and secret.split(".")[-1].encode() not in on_disk
         assert hashlib.sha256(secret.encode()).digest() in on_disk
-    with running_server(args) as server:
-        base = server.base_url
-        reply = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=agent)
+    # restarted on the same store: a gateway in this process, on the shared model, instead of a second
+    # `tokentape serve`
+    spec = ServeSpec(served_model_name=MODEL, api_keys=(TRAINER,))
+    built = build_served(spec, engine=engine, renderer=renderer, store=SqliteStore(store))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=built.app), base_url="http://t") as http:
+        reply = await http.post("/v1/chat/completions", json=CHAT, headers=agent)
         assert reply.status_code == 200 and reply.headers["x-session-id"] == "durable-key"
-        assert httpx.get(f"{base}/sessions/durable-key", headers=T).json()["turns"] == 2
-        assert httpx.post(f"{base}/sessions/durable-key/reward", json={"reward": 1}, headers=agent).status_code == 403
+        assert (await http.get("/sessions/durable-key", headers=T)).json()["turns"] == 2
+        assert (await http.post("/sessions/durable-key/reward", json={"reward": 1}, headers=agent)).status_code == 403
         wrong = {"authorization": f"Bearer {spoiled(key)}"}
-        assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=wrong).status_code == 401
-        refused = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=done)
+        assert (await http.post("/v1/chat/completions", json=CHAT, headers=wrong)).status_code == 401
+        refused = await http.post("/v1/chat/completions", json=CHAT, headers=done)
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "session_finished"
-        assert httpx.get(f"{base}/sessions/done-key", headers=T).json()["turns"] == 1
-        assert httpx.post(f"{base}/sessions/durable-key/finish", headers=T).status_code == 200
-        assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=agent).status_code == 409
+        assert (await http.get("/sessions/done-key", headers=T)).json()["turns"] == 1
+        assert (await http.post("/sessions/durable-key/finish", headers=T)).status_code == 200
+        assert (await http.post("/v1/chat/completions", json=CHAT, headers=agent)).status_code == 409
+    built.gateway.sessions.store.close()
     assert key.encode() not in store_bytes(store)
 
 
