@@ -15,7 +15,7 @@ import base64
 import io
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx
@@ -23,8 +23,6 @@ import httpx2
 import openai
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.support.fake_engines import FakeState, serving, vllm_app
 from tests.support.fake_vision import IM_END, FakeVision
@@ -37,6 +35,10 @@ from tokentape.render.renderer import Renderer
 from tokentape.runtime import hf_renderer
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.store.sqlite import SqliteStore
+
+if TYPE_CHECKING:  # transformers' tokenizer and image processor modules: imported by the fixtures that use them
+    from transformers import PreTrainedTokenizerBase
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 MODEL = "m"
 IMAGE_PAD = "<|image_pad|>"
@@ -68,11 +70,15 @@ def vl_renderer(vl_dir: Path) -> Renderer:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(vl_dir: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(vl_dir)
 
 
 @pytest.fixture(scope="session")
 def image_processor() -> Qwen2VLImageProcessorPil:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     return Qwen2VLImageProcessorPil()
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tokentape.core.images import DecodedImage
 from tokentape.errors import InvalidRequest
@@ -34,13 +33,21 @@ def _processed(processor: Any, image: DecodedImage) -> tuple[int, ...]:
     return tuple(int(v) for v in processor(images=[opened], return_tensors="np")["image_grid_thw"][0])
 
 
+def _processor_class() -> Any:
+    """transformers' Qwen2-VL image processor class, imported when a test runs (its module takes
+    about a second, paid by every worker that collects this file otherwise)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil
+
+
 @pytest.mark.parametrize(
     "settings",
     [{}, {"max_pixels": 256 * 28 * 28}, {"min_pixels": 512 * 28 * 28, "max_pixels": 1024 * 28 * 28}],
     ids=["defaults", "small max_pixels", "narrow band"],
 )
 def test_the_grid_from_the_size_is_the_processors_own(settings: dict[str, int]) -> None:
-    processor = Qwen2VLImageProcessorPil(**settings)
+    processor = _processor_class()(**settings)
     vision = VisionProcessor(processor, 1, 2, 3)
     assert vision.rule_holds
     rng = random.Random(7)
@@ -55,7 +62,7 @@ class _OtherRule:
     """A processor with Qwen2-VL's attributes whose grid follows another rule (halved)."""
 
     def __init__(self) -> None:
-        self.inner = Qwen2VLImageProcessorPil()
+        self.inner = _processor_class()()
         self.size, self.patch_size, self.merge_size = self.inner.size, 14, 2
         self.calls = 0
 
@@ -78,7 +85,7 @@ def test_a_processor_whose_grid_does_not_follow_the_rule_has_its_images_processe
 
 
 def test_the_grid_rule_processes_no_pixels_and_refuses_what_the_processor_refuses() -> None:
-    class Counting(Qwen2VLImageProcessorPil):
+    class Counting(_processor_class()):  # type: ignore[misc]
         calls = 0
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:

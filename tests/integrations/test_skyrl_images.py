@@ -28,8 +28,6 @@ import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoTokenizer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 # isort: off
 from tokentape.integrations.skyrl import TokentapeGenerator  # first: it makes skyrl importable on Python 3.11
@@ -139,6 +137,9 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def oracle(vl_dir: Path) -> Oracle:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     return Oracle(AutoTokenizer.from_pretrained(vl_dir), Qwen2VLImageProcessorPil())
 
 
@@ -150,6 +151,8 @@ def _generator(cfg: Any, client: VisionClient, vl_dir: Path) -> TokentapeGenerat
 def _processed(images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' processor alone, on the images as sent."""
     opened = [Image.open(io.BytesIO(d)).convert("RGB") for d in images]
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     result = Qwen2VLImageProcessorPil()(images=opened, return_tensors="np")
     return torch.from_numpy(np.asarray(result["pixel_values"])), torch.tensor(np.asarray(result["image_grid_thw"]))
 

@@ -17,8 +17,6 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from verl.workers.rollout.replica import TokenOutput
 
 from tests.images.conftest import Oracle, data_url, png
@@ -66,6 +64,9 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def oracle(vl_dir: Path) -> Oracle:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     return Oracle(AutoTokenizer.from_pretrained(vl_dir), Qwen2VLImageProcessorPil())
 
 

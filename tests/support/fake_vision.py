@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.support.fake_engines import MISSING, FakeState
 
@@ -30,6 +29,10 @@ class FakeVision:
         """`tensor_bytes`: the size each render's `kwargs_data` is padded to (a real 1280x800
         screenshot's are about 8 MB); `record`: keep the generate bodies that carried images;
         `grid_by_size`: process one image of each size only (a benchmark's screenshots share one)."""
+        # imported here: the processor's module takes about a second, and the modules that import
+        # this one are collected by every test worker
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
         self.processor = Qwen2VLImageProcessorPil()
         self.tensor_bytes, self.record, self.grid_by_size = tensor_bytes, record, grid_by_size
         self._size_grids: dict[tuple[int, int], list[int]] = {}
