@@ -23,7 +23,7 @@ from tests.support.fake_engines import FakeState, serving, sglang_app, vllm_app
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.remote import ENGINE_KINDS, RemoteEngine
 from tokentape.errors import TokentapeError
-from tokentape.launcher import running_server
+from tokentape.launcher import RunningServer, running_server
 
 Path = tuple[str | int, ...]
 Figures = dict[str, Any]
@@ -168,11 +168,29 @@ async def adapter_run(kind: str, *, limit: int | None = None, seed: int = 0) -> 
     return {"kind": kind, "mutations": len(table), **outcomes, "unexpected": unexpected}
 
 
-async def gateway_run(kind: str, *, limit: int | None = None, seed: int = 0) -> Figures:
+async def _route_to(server: RunningServer, spec: str, url: str) -> None:
+    """Add the engine `spec` to the running gateway's pool and drain every other: new sessions go to it."""
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        others = [e["url"] for e in (await http.get("/admin/engines")).json()["data"] if e["url"] != url]
+        (await http.post("/admin/engines", json={"add": spec})).raise_for_status()
+        for other in others:
+            (await http.post("/admin/engines", json={"drain": other})).raise_for_status()
+
+
+async def gateway_run(
+    kind: str, *, limit: int | None = None, seed: int = 0, gateway: RunningServer | None = None
+) -> Figures:
     """Mutations served to a real `tokentape serve`: every answer < 500 or 502/503 with a message, and the
-    session's export unchanged by every request that failed."""
+    session's export unchanged by every request that failed. `gateway`: a running one (any remote
+    engine) whose pool is turned over to this run's engine, instead of a new one."""
     state = FakeState()
-    with serving(_apps(kind)(state)) as url, running_server(["--engine", f"{kind}={url}"]) as server:
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(serving(_apps(kind)(state)))
+        if gateway is None:
+            server = stack.enter_context(running_server(["--engine", f"{kind}={url}"]))
+        else:
+            server = gateway
+            await _route_to(server, f"{kind}={url}", url)
         engine = ENGINE_KINDS[kind](url)
         sample, length = await _sample_event(engine, state, SamplingParams(max_tokens=5, logprobs=True, top_logprobs=2))
         await engine.close()
@@ -184,7 +202,7 @@ async def gateway_run(kind: str, *, limit: int | None = None, seed: int = 0) -> 
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             for i, mutation in enumerate(table):
                 # a session with one good turn, then the mutated answer to its second request
-                session = f"/sessions/fuzz-{i}"
+                session = f"/sessions/fuzz-{kind}-{i}"
                 messages: list[dict[str, Any]] = [{"role": "user", "content": "Hello"}]
                 first = await http.post(f"{session}/v1/chat/completions", json=_chat(messages))
                 first.raise_for_status()
@@ -209,7 +227,10 @@ async def gateway_run(kind: str, *, limit: int | None = None, seed: int = 0) -> 
         "mutations": len(table),
         "statuses": statuses,
         "bad": bad,
-        "engine_healthy_after": all(e["healthy"] for e in health),
+        "engine_generations": len(state.requests),  # every request of the run reached this run's engine
+        # this run's engine, healthy (an engine of an earlier run may still be leaving the pool)
+        "engine_healthy_after": any(e["url"] == url for e in health)
+        and all(e["healthy"] for e in health if e["url"] == url),
     }
 
 

@@ -4,9 +4,13 @@ adapter and through the gateway."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.reliability import engine_faults, storm
+from tests.support.fake_engines import FakeState, serving, vllm_app
+from tokentape.launcher import RunningServer, running_server
 
 pytestmark = pytest.mark.heavy
 
@@ -36,9 +40,18 @@ async def test_adapters_answer_malformed_engines_with_engine_errors(kind: str) -
     assert figures["engine_error"] > 0 and figures["tokens"] > 0  # the table holds both kinds of mutation
 
 
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[RunningServer]:
+    """One `tokentape serve` for every kind: each run adds its own engine to the pool and drains the others."""
+    state = FakeState()
+    with serving(vllm_app(state)) as url, running_server(["--engine", f"vllm={url}"]) as server:
+        yield server
+
+
 @pytest.mark.parametrize("kind", KINDS)
-async def test_engine_faults_are_502_and_leave_the_session_unchanged(kind: str) -> None:
-    figures = await engine_faults.gateway_run(kind, limit=40)
+async def test_engine_faults_are_502_and_leave_the_session_unchanged(kind: str, gateway: RunningServer) -> None:
+    figures = await engine_faults.gateway_run(kind, limit=40, gateway=gateway)
     assert figures["bad"] == []
+    assert figures["engine_generations"] >= 2 * figures["mutations"]  # both turns of each session went to it
     assert figures["statuses"].get(502, 0) > 0
     assert figures["engine_healthy_after"]
