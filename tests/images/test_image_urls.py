@@ -107,7 +107,10 @@ class Site:
 
         async def slow(request: Request) -> Response:
             self.hits.append(request.url.path)
-            await asyncio.sleep(30)
+            for _ in range(600):  # 30 s, unless the fetcher gave up first (then the server need not wait)
+                if await request.is_disconnected():
+                    break
+                await asyncio.sleep(0.05)
             return Response(SHOT, media_type="image/png")
 
         routes = [("/screen.png", screen), ("/gone.png", gone), ("/away", away), ("/loop", loop)]
@@ -115,17 +118,37 @@ class Site:
         return Starlette(routes=[Route(path, handler) for path, handler in routes])
 
 
-@pytest.fixture
-def sites() -> Iterator[tuple[Site, str, Site, str]]:
-    """One site on 127.0.0.1 and one on 127.0.0.2 (the operator opens at most the first)."""
-    inside, other = Site(), Site()
-    # a request still on /slow when the test ends is cut after 1 s, not waited for (its 30 s)
+class Current:
+    """An ASGI app handing each request to the site's app set last: one server per address serves the
+    module (starting and stopping uvicorn costs more than these tests), each test a fresh site, so a
+    request still running from an earlier test reaches only that test's site."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[Current, str, Current, str]]:
+    inside, other = Current(), Current()
+    # a request still on /slow when the module ends is cut after 1 s, not waited for (its 30 s)
     with (
-        serving(inside.app(), timeout_graceful_shutdown=1) as url,
-        serving(other.app(), host="127.0.0.2", timeout_graceful_shutdown=1) as other_url,
+        serving(inside, timeout_graceful_shutdown=1, lifespan="off") as url,  # type: ignore[arg-type]
+        serving(other, host="127.0.0.2", timeout_graceful_shutdown=1, lifespan="off") as other_url,  # type: ignore[arg-type]
     ):
-        inside.elsewhere = other_url
         yield inside, url, other, other_url
+
+
+@pytest.fixture
+def sites(servers: tuple[Current, str, Current, str]) -> tuple[Site, str, Site, str]:
+    """One site on 127.0.0.1 and one on 127.0.0.2 (the operator opens at most the first)."""
+    inside_server, url, other_server, other_url = servers
+    inside, other = Site(), Site()
+    inside_server.app, other_server.app = inside.app(), other.app()
+    inside.elsewhere = other_url
+    return inside, url, other, other_url
 
 
 async def _ask(app: App, session: str, url: str) -> httpx.Response:
