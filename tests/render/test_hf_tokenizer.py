@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import models, normalizers, pre_tokenizers
 
 from tests.support.models import SOURCES
-from tokentape.render.hf import HFTokenizer, ascii_twin
+from tokentape.render.hf import HFTokenizer, ascii_twin, plain_copy
 
 TEXTS = [
     "",
@@ -33,7 +33,7 @@ TEXTS = [
 
 @pytest.mark.parametrize("family", sorted(SOURCES))
 def test_encode_gives_the_library_encodes_ids(model_dirs: dict[str, Path], family: str) -> None:
-    reference = tokenizers.Tokenizer.from_file(str(model_dirs[family] / "tokenizer.json"))
+    reference = _library(str(model_dirs[family] / "tokenizer.json"))
     wrapper = HFTokenizer(tokenizers.Tokenizer.from_file(str(model_dirs[family] / "tokenizer.json")))
     for text in TEXTS:
         assert wrapper.encode(text) == reference.encode(text, add_special_tokens=False).ids
@@ -43,13 +43,20 @@ def test_encode_gives_the_library_encodes_ids(model_dirs: dict[str, Path], famil
         assert wrapper.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids
 
 
+@functools.cache
+def _library(path: str) -> tokenizers.Tokenizer:
+    """The library's tokenizer as the reference, loaded once a process (about half a second for a large
+    vocabulary) and only read: each wrapper under test wraps a tokenizer of its own."""
+    return tokenizers.Tokenizer.from_file(path)
+
+
 # NFC composes these (e and a combining acute accent, i and a diaeresis): the normalizer changes the IDs
 DECOMPOSED = "cafe\u0301 nai\u0308ve re\u0301sume\u0301"
 
 
 @pytest.mark.parametrize("family", sorted(SOURCES))
 def test_the_ascii_twin_is_the_tokenizer_without_its_normalizer(model_dirs: dict[str, Path], family: str) -> None:
-    original = tokenizers.Tokenizer.from_file(str(model_dirs[family] / "tokenizer.json"))
+    original = _library(str(model_dirs[family] / "tokenizer.json"))
     twin = ascii_twin(original)
     spec = json.loads(original.to_str())
     # NFC alone (Qwen's, MiniMax's) always gets one; none, or an empty sequence, has nothing to skip
@@ -61,12 +68,12 @@ def test_the_ascii_twin_is_the_tokenizer_without_its_normalizer(model_dirs: dict
 
 def test_text_that_is_not_ascii_keeps_the_normalizer(model_dirs: dict[str, Path]) -> None:
     path = str(model_dirs["qwen2.5"] / "tokenizer.json")
-    reference = tokenizers.Tokenizer.from_file(path)
-    twin = ascii_twin(tokenizers.Tokenizer.from_file(path))
+    reference = _library(path)
+    twin = ascii_twin(reference)  # reads it only: the twin shares its model, pre-tokenizer and decoder
     assert twin is not None
     expected = reference.encode(DECOMPOSED, add_special_tokens=False).ids
     assert twin.encode(DECOMPOSED, add_special_tokens=False).ids != expected  # the case tells them apart
-    assert HFTokenizer(tokenizers.Tokenizer.from_file(path)).encode(DECOMPOSED) == expected
+    assert _qwen(model_dirs).encode(DECOMPOSED) == expected
 
 
 _SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>", "<think>"]
@@ -88,7 +95,7 @@ def test_any_ascii_text_gets_the_librarys_ids(model_dirs: dict[str, Path], piece
 
 @functools.cache
 def _qwen_pair(path: str) -> tuple[HFTokenizer, tokenizers.Tokenizer]:
-    return HFTokenizer(tokenizers.Tokenizer.from_file(path)), tokenizers.Tokenizer.from_file(path)
+    return HFTokenizer(tokenizers.Tokenizer.from_file(path)), _library(path)
 
 
 def _qwen(model_dirs: dict[str, Path]) -> HFTokenizer:
@@ -128,8 +135,12 @@ def test_a_twin_only_where_skipping_the_normalizer_changes_no_id(
     tokenizer = _word_level(normalizer, added)
     twin = ascii_twin(tokenizer)
     assert (twin is not None) == twinned
-    for text in ("abc K k", "ABC", "x K abc <end>"):
+    plain = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+    plain.encode_special_tokens = True
+    for text in ("abc K k", "ABC", "x K abc <end>", "\u212a <end> K\u212a"):
         assert HFTokenizer(tokenizer).encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_plain's copy shares the objects too, with the normalizer
+        assert HFTokenizer(tokenizer).encode_plain(text) == plain.encode(text, add_special_tokens=False).ids
 
 
 def test_a_kelvin_sign_token_matches_in_ascii_text_under_nfkc() -> None:
@@ -146,3 +157,6 @@ def test_a_tokenizer_that_truncates_gets_no_twin() -> None:
     tokenizer = _word_level(normalizers.NFC(), [])
     tokenizer.enable_truncation(2)
     assert ascii_twin(tokenizer) is None
+    plain = plain_copy(tokenizer)  # a serialised copy: the shared objects would not carry the truncation
+    assert plain.encode_special_tokens and plain.truncation == tokenizer.truncation
+    assert plain.encode("abc k K abc", add_special_tokens=False).ids == [3, 1]

@@ -62,20 +62,32 @@ def _texts(added: list[str]) -> list[str]:
     return texts
 
 
+@functools.cache
 def _load(directory: Path) -> tuple[tokenizers.Tokenizer, bytes]:
+    """A family's library tokenizer and file, loaded once a process (about half a second for a large
+    vocabulary): the tests and `explain_rank_bpe` only read it."""
     source = (directory / "tokenizer.json").read_bytes()
     return tokenizers.Tokenizer.from_buffer(source), source
 
 
-def _plain(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
-    plain = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+@functools.cache
+def _explained(directory: Path) -> RankBPE | str:
+    """`explain_rank_bpe` on a family's tokenizer, once a process (about half a second where it builds),
+    as the served tokenizer builds it once a process: each test checks this one build."""
+    return explain_rank_bpe(*_load(directory))
+
+
+@functools.cache
+def _plain(directory: Path) -> tokenizers.Tokenizer:
+    """The library tokenizer with special tokens' text spelled out, a copy made once a process."""
+    plain = tokenizers.Tokenizer.from_str(_load(directory)[0].to_str())
     plain.encode_special_tokens = True
     return plain
 
 
 @pytest.mark.parametrize("family", sorted(SOURCES))
 def test_built_for_qwen_and_declined_with_its_reason_elsewhere(model_dirs: dict[str, Path], family: str) -> None:
-    built = explain_rank_bpe(*_load(model_dirs[family]))
+    built = _explained(model_dirs[family])
     if family in BUILT:
         assert isinstance(built, RankBPE)
     else:
@@ -84,10 +96,10 @@ def test_built_for_qwen_and_declined_with_its_reason_elsewhere(model_dirs: dict[
 
 @pytest.mark.parametrize("family", sorted(BUILT))
 def test_ascii_text_gets_the_ids_of_the_library(model_dirs: dict[str, Path], family: str) -> None:
-    tokenizer, source = _load(model_dirs[family])
-    rank_bpe = explain_rank_bpe(tokenizer, source)
+    tokenizer, _ = _load(model_dirs[family])
+    rank_bpe = _explained(model_dirs[family])
     assert isinstance(rank_bpe, RankBPE)
-    plain = _plain(tokenizer)
+    plain = _plain(model_dirs[family])
     added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
     assert any(not token.special for token in tokenizer.get_added_tokens_decoder().values())  # <tool_call>
     for text in _texts(added):
@@ -99,8 +111,8 @@ def test_ascii_text_gets_the_ids_of_the_library(model_dirs: dict[str, Path], fam
 def test_every_ascii_token_written_alone_gets_the_ids_of_the_library(model_dirs: dict[str, Path], family: str) -> None:
     """A word that is a token whole: tiktoken takes it whole, `tokenizers` merges it. Qwen3.5's
     vocabulary has ASCII tokens no merge reaches, which tiktoken must not take whole."""
-    tokenizer, source = _load(model_dirs[family])
-    rank_bpe = explain_rank_bpe(tokenizer, source)
+    tokenizer, _ = _load(model_dirs[family])
+    rank_bpe = _explained(model_dirs[family])
     assert isinstance(rank_bpe, RankBPE)
     table = byte_decoder()
     pieces = [piece for piece in tokenizer.get_vocab(with_added_tokens=False) if all(table[c] < 128 for c in piece)]
@@ -144,16 +156,10 @@ _FRAGMENTS = st.sampled_from(
     )
 )
 def test_any_ascii_text_gets_the_ids_of_the_library(model_dirs: dict[str, Path], family: str, text: str) -> None:
-    tokenizer, rank_bpe = _built(model_dirs[family])
+    tokenizer, _ = _load(model_dirs[family])
+    rank_bpe = _explained(model_dirs[family])
+    assert isinstance(rank_bpe, RankBPE)
     assert rank_bpe.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
-
-
-@functools.cache
-def _built(directory: Path) -> tuple[tokenizers.Tokenizer, RankBPE]:
-    tokenizer, source = _load(directory)
-    built = explain_rank_bpe(tokenizer, source)
-    assert isinstance(built, RankBPE)
-    return tokenizer, built
 
 
 def test_the_served_tokenizer_takes_ascii_text_through_it_and_is_built_once_a_process(
@@ -166,7 +172,7 @@ def test_the_served_tokenizer_takes_ascii_text_through_it_and_is_built_once_a_pr
         (copy / file.name).write_bytes(file.read_bytes())
     _, again = load_model_dir(copy)
     assert served._rank_bpe is not None and again._rank_bpe is served._rank_bpe
-    reference = tokenizers.Tokenizer.from_file(str(model_dirs["qwen2.5"] / "tokenizer.json"))
+    reference, _ = _load(model_dirs["qwen2.5"])
     for text in ("plain ascii <|im_end|> text\n", "not ascii: caf\u00e9 \u4e2d", "cafe\u0301"):
         assert served.encode(text) == reference.encode(text, add_special_tokens=False).ids
 
@@ -293,10 +299,10 @@ def test_a_lone_byte_level_pre_tokenizer_uses_gpt2s_split() -> None:
 
 def test_hf_tokenizer_without_a_twin_or_with_one_gives_the_same_ids(model_dirs: dict[str, Path]) -> None:
     tokenizer, source = _load(model_dirs["qwen3"])
-    built = explain_rank_bpe(tokenizer, source)
+    built = _explained(model_dirs["qwen3"])
     assert isinstance(built, RankBPE)
-    with_twin = HFTokenizer(tokenizer, rank_bpe=built)
-    without = HFTokenizer(tokenizers.Tokenizer.from_buffer(source))
+    with_twin = HFTokenizer(tokenizers.Tokenizer.from_buffer(source), rank_bpe=built)
+    without = HFTokenizer(tokenizer)
     for text in _texts(["<|im_end|>", "<tool_call>"])[:20]:
         assert with_twin.encode(text) == without.encode(text)
         assert with_twin.encode_plain(text) == without.encode_plain(text)
@@ -310,9 +316,9 @@ def test_a_run_of_spaces_tiktoken_gives_up_on_is_tokenized_by_the_library(model_
     text = " " * 1_100_000 + "x"
     with pytest.raises(ValueError, match="backtracking"):
         served._rank_bpe.encode(text)
-    reference = tokenizers.Tokenizer.from_file(str(model_dirs["qwen2.5"] / "tokenizer.json"))
+    reference, _ = _load(model_dirs["qwen2.5"])
     assert served.encode(text) == reference.encode(text, add_special_tokens=False).ids
-    plain = _plain(reference)
+    plain = _plain(model_dirs["qwen2.5"])
     assert served.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids
 
 

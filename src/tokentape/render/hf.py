@@ -20,7 +20,7 @@ from tokentape.render.byte_level import byte_decoder
 from tokentape.render.rank_bpe import RankBPE, explain_rank_bpe, identity_on_ascii, normalized_off_ascii
 from tokentape.render.template import ChatTemplate
 
-__all__ = ["HFTokenizer", "ascii_twin", "load_model_dir", "END_OF_TURN_NAMES"]
+__all__ = ["HFTokenizer", "ascii_twin", "plain_copy", "load_model_dir", "END_OF_TURN_NAMES"]
 
 log = logging.getLogger("tokentape.render")
 
@@ -53,14 +53,41 @@ def ascii_twin(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer | None:
         return None
     if not identity_on_ascii(json.loads(normalizer.__getstate__())):
         return None
-    added = tokenizer.get_added_tokens_decoder()
-    if normalized_off_ascii(added.values()):
+    if normalized_off_ascii(tokenizer.get_added_tokens_decoder().values()):
         return None
+    return _sharing(tokenizer, normalizer=None, encode_special_tokens=tokenizer.encode_special_tokens)
+
+
+def plain_copy(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """The tokenizer with its special tokens' text read as text (`encode_special_tokens`), the rest as
+    it is: built from the same model, normalizer and pre-tokenizer objects (under a millisecond, where
+    a serialised copy takes about a second for a large vocabulary); a serialised copy where truncation
+    or padding is set, or where the added tokens would not land as they are."""
+    if tokenizer.truncation is None and tokenizer.padding is None:
+        copy = _sharing(tokenizer, normalizer=tokenizer.normalizer, encode_special_tokens=True)
+        if copy is not None:
+            return copy
+    copy = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+def _sharing(
+    tokenizer: tokenizers.Tokenizer,
+    *,
+    normalizer: tokenizers.normalizers.Normalizer | None,
+    encode_special_tokens: bool,
+) -> tokenizers.Tokenizer | None:
+    """A tokenizer over the same model and pre-tokenizer objects (so the two share the model's cache of
+    words), with this normalizer; None where an added token would not land on its ID with its flags."""
+    added = tokenizer.get_added_tokens_decoder()
     twin = tokenizers.Tokenizer(tokenizer.model)
+    if normalizer is not None:
+        twin.normalizer = normalizer
     twin.pre_tokenizer = tokenizer.pre_tokenizer
     twin.post_processor = tokenizer.post_processor
     twin.decoder = tokenizer.decoder
-    twin.encode_special_tokens = tokenizer.encode_special_tokens
+    twin.encode_special_tokens = encode_special_tokens
     for token_id in sorted(added):  # in ID order, so each lands on its own ID
         token = added[token_id]
         (twin.add_special_tokens if token.special else twin.add_tokens)([token])
@@ -114,10 +141,8 @@ class HFTokenizer:
             except ValueError:  # as in `encode`
                 pass
         plain = self._plain
-        if plain is None:  # a copy, made once (about a second for a large vocabulary): the flag is the tokenizer's own
-            plain = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
-            plain.encode_special_tokens = True
-            self._plain = plain
+        if plain is None:  # a copy, made once: the flag is the tokenizer's own
+            plain = self._plain = plain_copy(self._tokenizer)
         ids: list[int] = plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return ids
 
