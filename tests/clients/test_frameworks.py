@@ -1,34 +1,44 @@
 """LangChain's ChatOpenAI (a bound tool, streamed and not) and pydantic-ai (structured output, which
-it asks for with tool_choice "required", enforced on the embedded model by a grammar)."""
+it asks for with tool_choice "required", enforced on the embedded model by a grammar).
+
+Both frameworks are imported by the tests that drive them, not at the module's top: together they
+take about two seconds to import, which every test worker would otherwise pay while collecting."""
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 import pytest
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
-from pydantic_ai import Agent
-from pydantic_ai.models.openai import OpenAIChatModel
-from pydantic_ai.providers.openai import OpenAIProvider
 
 from tests.clients.conftest import API_KEY, EARLIER, SYSTEM, export
 from tests.support.wire import RecordingHttpxTransport, RecordingTransport, assert_on_tape
 from tokentape.launcher import RunningServer
 
+if TYPE_CHECKING:
+    from langchain_core.messages import BaseMessage
+    from langchain_core.tools import BaseTool
 
-@tool
-def get_weather(city: str) -> str:
-    """Get the current weather in a city."""
-    return "cloudy"
+
+@functools.cache
+def _weather_tool() -> BaseTool:
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "cloudy"
+
+    return get_weather
 
 
 def _langchain_history() -> list[BaseMessage]:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
     messages: list[BaseMessage] = [SystemMessage(SYSTEM)]
     for i, (city, weather) in enumerate(EARLIER):
         messages += [
@@ -42,6 +52,10 @@ def _langchain_history() -> list[BaseMessage]:
 
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_langchain_chat_openai_tool_loop(server: RunningServer, model: str, streamed: bool) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    get_weather = _weather_tool()
     session = f"langchain-{streamed}"
     wire = RecordingHttpxTransport()
     llm = ChatOpenAI(
@@ -76,6 +90,10 @@ class City(BaseModel):
 
 
 async def test_pydantic_ai_structured_output_is_enforced(server: RunningServer, model: str) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
     wire = RecordingTransport()
     client = openai.AsyncOpenAI(base_url=server.session_url("pydantic-ai"), api_key=API_KEY, http_client=wire.client())
     agent = Agent(OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client)), output_type=City)
