@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tokentape.launcher import RunningServer, running_server
+from tokentape.launcher import RunningServer
 
 STORY = {
     "model": MODEL_NAME,
@@ -23,10 +22,9 @@ STORY = {
 }
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with running_server(["--context-length", "2048"]) as running:
-        yield running
+@pytest.fixture
+def server(shared_server: RunningServer) -> RunningServer:
+    return shared_server
 
 
 def _generated(server: RunningServer) -> int:

@@ -6,12 +6,11 @@ reliability` sends 2,000 of them; this sends 300."""
 from __future__ import annotations
 
 from tests.reliability import suite
-from tokentape.launcher import running_server
+from tokentape.launcher import RunningServer
 
 
-async def test_odd_session_ids_are_400s_never_5xx() -> None:
-    with running_server(["--context-length", "2048"]) as server:
-        figures = await suite.odd_session_ids(server, requests=300)
+async def test_odd_session_ids_are_400s_never_5xx(shared_server: RunningServer) -> None:
+    figures = await suite.odd_session_ids(shared_server, requests=300)
     assert figures["responses_5xx"] == 0, figures
     assert figures["bad_ids_not_rejected_400"] == [], figures
     assert figures["healthy"]

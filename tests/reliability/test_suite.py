@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,9 @@ from tests.support.fake_engines import FakeState, serving, vllm_app
 from tokentape.launcher import RunningServer, running_server
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with running_server(["--context-length", "4096"]) as running:
-        yield running
+@pytest.fixture
+def server(shared_server: RunningServer) -> RunningServer:
+    return shared_server
 
 
 async def test_malformed_requests(server: RunningServer) -> None:
