@@ -8,6 +8,7 @@ import socket
 import time
 from urllib.parse import urlsplit
 
+from tests.support.fake_engines import FakeState, serving, vllm_app
 from tokentape.launcher import running_server
 
 REQUEST = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
@@ -30,7 +31,8 @@ def _answer(connection: socket.socket) -> bytes:
 
 
 def test_an_idle_connection_outlives_the_clients_keep_alive() -> None:
-    with running_server() as server:
+    # a stand-in remote engine: the keep-alive is the server's, and this starts without loading a model
+    with serving(vllm_app(FakeState())) as engine, running_server(["--engine", f"vllm={engine}"]) as server:
         url = urlsplit(server.base_url)
         with socket.create_connection((url.hostname, url.port), timeout=30) as connection:
             assert _answer(connection).startswith(b"HTTP/1.1 200")
