@@ -9,15 +9,30 @@ usage: python verifiers_train_client.py BASE_URL SESSION MODEL GGUF TEMPLATE_FIL
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 
 def _tokenizer_dir(gguf: Path, template: Path, work: Path) -> str:
     """The GGUF's byte-level BPE vocabulary as a Hugging Face tokenizer directory, which verifiers'
-    renderers load (built with `tokenizers` from the GGUF's own tokens and merges: no model hub)."""
+    renderers load (built with `tokenizers` from the GGUF's own tokens and merges: no model hub).
+
+    Kept in WORK under a digest of what it is built from (the GGUF's name and size, the template,
+    this file), so a later run reuses it: reading every field of the GGUF takes seconds."""
+    key = hashlib.sha1(
+        b"\0".join(
+            [gguf.name.encode(), str(gguf.stat().st_size).encode(), template.read_bytes(), Path(__file__).read_bytes()]
+        )
+    ).hexdigest()[:16]
+    target = work / f"tokenizer-{key}"
+    if (target / "tokenizer.json").exists():
+        return str(target)
+
     from gguf import GGUFReader
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -40,8 +55,12 @@ def _tokenizer_dir(gguf: Path, template: Path, work: Path) -> str:
     bpe.add_special_tokens(control)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>")
     tokenizer.chat_template = template.read_text()
-    target = work / "tokenizer"
-    tokenizer.save_pretrained(str(target))
+    staging = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=work))
+    tokenizer.save_pretrained(str(staging))
+    try:
+        staging.rename(target)  # whole or not at all, whoever builds it first
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
     return str(target)
 
 
