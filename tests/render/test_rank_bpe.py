@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.models import SOURCES
+from tokentape.render import hf
 from tokentape.render.byte_level import byte_decoder
 from tokentape.render.hf import HFTokenizer, load_model_dir
 from tokentape.render.rank_bpe import RankBPE, explain_rank_bpe
@@ -306,6 +307,21 @@ def test_hf_tokenizer_without_a_twin_or_with_one_gives_the_same_ids(model_dirs: 
     for text in _texts(["<|im_end|>", "<tool_call>"])[:20]:
         assert with_twin.encode(text) == without.encode(text)
         assert with_twin.encode_plain(text) == without.encode_plain(text)
+
+
+def test_tokenizers_that_decline_do_not_push_a_built_table_out(model_dirs: dict[str, Path]) -> None:
+    """A process that loads every family (a test run, a benchmark) keeps the tables it built."""
+    _, served = load_model_dir(model_dirs["qwen3"])
+    assert served._rank_bpe is not None
+    reasons = [(n.to_bytes(16, "big"), ()) for n in range(12)]  # more than the cache holds tables
+    try:
+        for key in reasons:
+            hf._RANK_BPES.put(key, "not one split")
+        _, again = load_model_dir(model_dirs["qwen3"])
+        assert again._rank_bpe is served._rank_bpe
+    finally:
+        for key in reasons:
+            hf._RANK_BPES.discard(key)
 
 
 def test_a_run_of_spaces_tiktoken_gives_up_on_is_tokenized_by_the_library(model_dirs: dict[str, Path]) -> None:

@@ -303,8 +303,12 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     return template, HFTokenizer(backend, end_of_turn=end_of_turn, rank_bpe=_rank_bpe(source, backend))
 
 
-# built tables, and reasons for none, by the file's digest and the added tokens' flags
-_RANK_BPES: BoundedCache[tuple[bytes, tuple[Any, ...]], RankBPE | str] = BoundedCache(8, lambda _: 1)
+# built tables, and reasons for none, by the file's digest and the added tokens' flags: at most 8
+# tables (about 10 MB each for Qwen's vocabulary); a reason weighs nothing, so loading the tokenizers
+# that decline does not push a built table out to be built again (a second each)
+_RANK_BPES: BoundedCache[tuple[bytes, tuple[Any, ...]], RankBPE | str] = BoundedCache(
+    8, lambda built: 0 if isinstance(built, str) else 1, max_items=64
+)
 _rank_bpes_built = threading.Lock()  # one build at a time, each once
 
 
