@@ -5,18 +5,14 @@ place, and a history with mapped roles renders the same turn after turn (the tap
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.support.models import SOURCES, materialise, package_dir
+from tests.support.models import SOURCES, package_dir
 from tokentape.core.bridge import REPLY_SENTINEL
 from tokentape.errors import InvalidRequest
-from tokentape.render.hf import load_model_dir
 from tokentape.render.renderer import Renderer, RenderOptions
 from tokentape.render.roles import RoleSupport, map_roles
 from tokentape.render.template import ChatTemplate
-from tokentape.runtime import hf_renderer
 
 NONE = RenderOptions()
 DEVELOPER = "Follow the repository's conventions."
@@ -25,9 +21,9 @@ TOOL = {"type": "function", "function": {"name": "ls", "parameters": {"type": "o
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Renderer]:
-    root = tmp_path_factory.mktemp("role-models")
-    return {name: hf_renderer(materialise(name, root)) for name in ("qwen2.5", "qwen3", "qwen3.5", "deepseek-v3")}
+def qwen(renderers: dict[str, Renderer]) -> dict[str, Renderer]:
+    """The session's renderers (each `load_model_dir` of its directory): text only, as here."""
+    return {name: renderers[name] for name in ("qwen2.5", "qwen3", "qwen3.5", "deepseek-v3")}
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "qwen3"])
@@ -114,10 +110,10 @@ EXPECTED = {
 }
 
 
-def test_every_family_probes_as_its_template_reads(tmp_path: Path) -> None:
+def test_every_family_probes_as_its_template_reads(renderers: dict[str, Renderer]) -> None:
     assert set(EXPECTED) == set(SOURCES)
     for name in SOURCES:
-        template, _ = load_model_dir(materialise(name, tmp_path))
+        template = renderers[name].template  # as `load_model_dir` reads it from the family's directory
         support = RoleSupport.probe(template)
         assert not support.developer, name  # none has a developer role: developer -> system
         assert (support.leading_systems, support.system_later) == EXPECTED[name], name
