@@ -5,6 +5,7 @@ resume with policy versions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -18,14 +19,39 @@ from tests.support.scenarios import five_turn_scenario
 from tokentape.launcher import RunningServer, running_server
 
 
+class Current:
+    """An ASGI app handing each request to the stand-in set last: the module's three engine servers
+    outlive the tests (starting and stopping uvicorn is not what they check), while each test's
+    gateway talks to fresh stand-ins on fresh states, so nothing an earlier test left running (or
+    recorded) reaches it."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture(scope="module")
+def engine_servers() -> Iterator[list[tuple[Current, str]]]:
+    currents = [Current(), Current(), Current()]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(serving(c, lifespan="off")) for c in currents]  # type: ignore[arg-type]
+        yield list(zip(currents, urls, strict=True))
+
+
 @pytest.fixture
-def pool() -> Iterator[tuple[RunningServer, list[tuple[str, FakeState]]]]:
+def pool(
+    engine_servers: list[tuple[Current, str]],
+) -> Iterator[tuple[RunningServer, list[tuple[str, FakeState]]]]:
     states = [FakeState(), FakeState(), FakeState()]
-    with serving(vllm_app(states[0])) as a, serving(vllm_app(states[1])) as b, serving(sglang_app(states[2])) as c:
-        specs = [f"vllm={a}", f"vllm-generate={b}", f"sglang={c}"]
-        args = [arg for spec in specs for arg in ("--engine", spec)]
-        with running_server(args) as server:
-            yield server, list(zip([a, b, c], states, strict=True))
+    for (current, _), app, state in zip(engine_servers, (vllm_app, vllm_app, sglang_app), states, strict=True):
+        current.app = app(state)
+    a, b, c = (url for _, url in engine_servers)
+    specs = [f"vllm={a}", f"vllm-generate={b}", f"sglang={c}"]
+    args = [arg for spec in specs for arg in ("--engine", spec)]
+    with running_server(args) as server:
+        yield server, list(zip([a, b, c], states, strict=True))
 
 
 def _client(server: RunningServer, session: str) -> openai.AsyncOpenAI:
