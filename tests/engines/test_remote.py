@@ -67,6 +67,14 @@ def servers() -> Iterator[dict[str, tuple[_Current, str]]]:
         yield shared
 
 
+@contextlib.contextmanager
+def vllm_serving(servers: dict[str, tuple[_Current, str]], state: FakeState) -> Iterator[str]:
+    """A fresh vLLM stand-in on `state`, on the module's vLLM server: its address."""
+    current, url = servers["vllm"]
+    current.app = vllm_app(state)
+    yield url
+
+
 @pytest.fixture(params=ADAPTERS, ids=[a[0] for a in ADAPTERS])
 async def remote(
     request: pytest.FixtureRequest, servers: dict[str, tuple[_Current, str]]
@@ -261,9 +269,9 @@ async def test_cancelled_generations_release_their_connections(remote: tuple[Rem
     await engine.close()
 
 
-async def test_health_is_probed_on_its_own_connection() -> None:
+async def test_health_is_probed_on_its_own_connection(servers: dict[str, tuple[_Current, str]]) -> None:
     state = FakeState(delay=0.2)
-    with serving(vllm_app(state)) as url:
+    with vllm_serving(servers, state) as url:
         engine = VLLMEngine(url, max_connections=2)
         busy = [asyncio.ensure_future(_run(engine, SamplingParams(max_tokens=100))) for _ in range(4)]
         # the generation pool is full (two at the engine, each ~2.6 s long), two more wait for it
@@ -285,11 +293,13 @@ async def test_a_session_id_that_is_no_header_value_is_sent_quoted(remote: tuple
     assert state.session_headers[-1] == "abc%0A"
 
 
-async def test_only_the_engines_own_failures_take_it_out_of_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_only_the_engines_own_failures_take_it_out_of_rotation(
+    monkeypatch: pytest.MonkeyPatch, servers: dict[str, tuple[_Current, str]]
+) -> None:
     # the on-demand re-probe's spacing, shortened: that a probe waits for it is checked, not its length
     monkeypatch.setattr(router_module, "REPROBE_INTERVAL", 0.2)
     state = FakeState()
-    with serving(vllm_app(state)) as url:
+    with vllm_serving(servers, state) as url:
         router = Router([VLLMEngine(url)])
         (engine,) = router.engines
 
@@ -342,10 +352,12 @@ def _respelled(rename: Callable[[int], object]) -> Callable[[int, dict[str, Any]
 
 
 @WHOLE
-async def test_token_ids_and_the_tokens_they_name_must_agree(whole: bool) -> None:
+async def test_token_ids_and_the_tokens_they_name_must_agree(
+    whole: bool, servers: dict[str, tuple[_Current, str]]
+) -> None:
     """IDs come from the logprobs' tokens; a server that sends `token_ids` as well must agree with them."""
     state = FakeState(token_ids_unasked=True)
-    with serving(vllm_app(state)) as url:
+    with vllm_serving(servers, state) as url:
         engine = VLLMEngine(url)
         params = SamplingParams(max_tokens=5)
         expected = await _run(engine, params, whole=whole)
