@@ -14,35 +14,22 @@ import httpx
 import openai
 import pytest
 
-from tests.support.fake_engines import FakeState, serving, sglang_app, vllm_app
+from tests.support.fake_engines import FakeState, SwappableApp, serving, sglang_app, vllm_app
 from tests.support.scenarios import five_turn_scenario
 from tokentape.launcher import RunningServer, running_server
 
 
-class Current:
-    """An ASGI app handing each request to the stand-in set last: the module's three engine servers
-    outlive the tests (starting and stopping uvicorn is not what they check), while each test's
-    gateway talks to fresh stand-ins on fresh states, so nothing an earlier test left running (or
-    recorded) reaches it."""
-
-    def __init__(self) -> None:
-        self.app: Any = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
-
-
 @pytest.fixture(scope="module")
-def engine_servers() -> Iterator[list[tuple[Current, str]]]:
-    currents = [Current(), Current(), Current()]
+def engine_servers() -> Iterator[list[tuple[SwappableApp, str]]]:
+    currents = [SwappableApp(), SwappableApp(), SwappableApp()]
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(serving(c, lifespan="off")) for c in currents]  # type: ignore[arg-type]
+        urls = [stack.enter_context(serving(c, lifespan="off")) for c in currents]
         yield list(zip(currents, urls, strict=True))
 
 
 @pytest.fixture
 def pool(
-    engine_servers: list[tuple[Current, str]],
+    engine_servers: list[tuple[SwappableApp, str]],
 ) -> Iterator[tuple[RunningServer, list[tuple[str, FakeState]]]]:
     states = [FakeState(), FakeState(), FakeState()]
     for (current, _), app, state in zip(engine_servers, (vllm_app, vllm_app, sglang_app), states, strict=True):

@@ -16,6 +16,7 @@ import pytest
 from tests.support.fake_engines import (
     END_OF_TURN,
     FakeState,
+    SwappableApp,
     alternatives,
     script,
     serving,
@@ -45,30 +46,18 @@ ADAPTERS = [
 ]
 
 
-class _Current:
-    """An ASGI app that hands each request to the app set last: one server per adapter kind serves the
-    module (starting and stopping uvicorn costs more than most tests here), while each test gets a
-    fresh app on a fresh state, so a request still running from an earlier test touches only its own."""
-
-    def __init__(self) -> None:
-        self.app: Any = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, tuple[_Current, str]]]:
+def servers() -> Iterator[dict[str, tuple[SwappableApp, str]]]:
     with contextlib.ExitStack() as stack:
-        shared: dict[str, tuple[_Current, str]] = {}
+        shared: dict[str, tuple[SwappableApp, str]] = {}
         for kind, _, _ in ADAPTERS:
-            current = _Current()
-            shared[kind] = current, stack.enter_context(serving(current, lifespan="off"))  # type: ignore[arg-type]
+            current = SwappableApp()
+            shared[kind] = current, stack.enter_context(serving(current, lifespan="off"))
         yield shared
 
 
 @contextlib.contextmanager
-def vllm_serving(servers: dict[str, tuple[_Current, str]], state: FakeState) -> Iterator[str]:
+def vllm_serving(servers: dict[str, tuple[SwappableApp, str]], state: FakeState) -> Iterator[str]:
     """A fresh vLLM stand-in on `state`, on the module's vLLM server: its address."""
     current, url = servers["vllm"]
     current.app = vllm_app(state)
@@ -77,7 +66,7 @@ def vllm_serving(servers: dict[str, tuple[_Current, str]], state: FakeState) -> 
 
 @pytest.fixture(params=ADAPTERS, ids=[a[0] for a in ADAPTERS])
 async def remote(
-    request: pytest.FixtureRequest, servers: dict[str, tuple[_Current, str]]
+    request: pytest.FixtureRequest, servers: dict[str, tuple[SwappableApp, str]]
 ) -> AsyncIterator[tuple[RemoteEngine, FakeState]]:
     kind, cls, app = request.param
     state = FakeState()
@@ -269,7 +258,7 @@ async def test_cancelled_generations_release_their_connections(remote: tuple[Rem
     await engine.close()
 
 
-async def test_health_is_probed_on_its_own_connection(servers: dict[str, tuple[_Current, str]]) -> None:
+async def test_health_is_probed_on_its_own_connection(servers: dict[str, tuple[SwappableApp, str]]) -> None:
     state = FakeState(delay=0.2)
     with vllm_serving(servers, state) as url:
         engine = VLLMEngine(url, max_connections=2)
@@ -294,7 +283,7 @@ async def test_a_session_id_that_is_no_header_value_is_sent_quoted(remote: tuple
 
 
 async def test_only_the_engines_own_failures_take_it_out_of_rotation(
-    monkeypatch: pytest.MonkeyPatch, servers: dict[str, tuple[_Current, str]]
+    monkeypatch: pytest.MonkeyPatch, servers: dict[str, tuple[SwappableApp, str]]
 ) -> None:
     # the on-demand re-probe's spacing, shortened: that a probe waits for it is checked, not its length
     monkeypatch.setattr(router_module, "REPROBE_INTERVAL", 0.2)
@@ -353,7 +342,7 @@ def _respelled(rename: Callable[[int], object]) -> Callable[[int, dict[str, Any]
 
 @WHOLE
 async def test_token_ids_and_the_tokens_they_name_must_agree(
-    whole: bool, servers: dict[str, tuple[_Current, str]]
+    whole: bool, servers: dict[str, tuple[SwappableApp, str]]
 ) -> None:
     """IDs come from the logprobs' tokens; a server that sends `token_ids` as well must agree with them."""
     state = FakeState(token_ids_unasked=True)

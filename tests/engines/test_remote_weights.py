@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from tests.support.fake_engines import FakeState, serving, sglang_app, vllm_app
+from tests.support.fake_engines import FakeState, SwappableApp, serving, sglang_app, vllm_app
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.remote import SGLangEngine, VLLMEngine, VLLMGenerateEngine
 from tokentape.engines.remote.updates import UpdatableRemote
@@ -156,17 +156,12 @@ class Stand:
         return held  # type: ignore[return-value]  # an ASGI app, as Starlette is
 
 
-class Server:
-    """One uvicorn server for the module (starting and stopping one costs more than most tests here)
-    that hands each request to the stand set last: every test serves a fresh stand of its own, and a
-    request still running from an earlier test reaches only that test's stand."""
+class Server(SwappableApp):
+    """The module's server for one stand: every test serves a fresh stand of its own on it."""
 
     def __init__(self) -> None:
-        self.app: Any = None
+        super().__init__()
         self.url = ""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
 
     def serving(self, app: Any) -> str:
         self.app = app
@@ -175,7 +170,7 @@ class Server:
 
 def _server() -> Iterator[Server]:
     shared = Server()
-    with serving(shared, lifespan="off") as url:  # type: ignore[arg-type]  # an ASGI app, as Starlette is
+    with serving(shared, lifespan="off") as url:
         shared.url = url
         yield shared
 

@@ -20,7 +20,7 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.images.conftest import App, Engine, Oracle, data_url, open_app, png
-from tests.support.fake_engines import serving
+from tests.support.fake_engines import SwappableApp, serving
 from tokentape.render.renderer import Renderer
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.server.image_urls import address_refusal
@@ -118,31 +118,19 @@ class Site:
         return Starlette(routes=[Route(path, handler) for path, handler in routes])
 
 
-class Current:
-    """An ASGI app handing each request to the site's app set last: one server per address serves the
-    module (starting and stopping uvicorn costs more than these tests), each test a fresh site, so a
-    request still running from an earlier test reaches only that test's site."""
-
-    def __init__(self) -> None:
-        self.app: Any = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.app(scope, receive, send)
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[Current, str, Current, str]]:
-    inside, other = Current(), Current()
+def servers() -> Iterator[tuple[SwappableApp, str, SwappableApp, str]]:
+    inside, other = SwappableApp(), SwappableApp()
     # a request still on /slow when the module ends is cut after 1 s, not waited for (its 30 s)
     with (
-        serving(inside, timeout_graceful_shutdown=1, lifespan="off") as url,  # type: ignore[arg-type]
-        serving(other, host="127.0.0.2", timeout_graceful_shutdown=1, lifespan="off") as other_url,  # type: ignore[arg-type]
+        serving(inside, timeout_graceful_shutdown=1, lifespan="off") as url,
+        serving(other, host="127.0.0.2", timeout_graceful_shutdown=1, lifespan="off") as other_url,
     ):
         yield inside, url, other, other_url
 
 
 @pytest.fixture
-def sites(servers: tuple[Current, str, Current, str]) -> tuple[Site, str, Site, str]:
+def sites(servers: tuple[SwappableApp, str, SwappableApp, str]) -> tuple[Site, str, Site, str]:
     """One site on 127.0.0.1 and one on 127.0.0.2 (the operator opens at most the first)."""
     inside_server, url, other_server, other_url = servers
     inside, other = Site(), Site()

@@ -385,8 +385,21 @@ def sglang_app(state: FakeState) -> Starlette:
     )
 
 
+class SwappableApp:
+    """An ASGI app handing each request to the app set last. A module keeps one uvicorn server per
+    stand-in (starting and stopping one costs more than most tests that use it) while each test sets
+    a fresh app on a fresh state, so a request still running from an earlier test reaches only that
+    test's app."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
 @contextlib.contextmanager
-def serving(app: Starlette, host: str = "127.0.0.1", **options: Any) -> Iterator[str]:
+def serving(app: Starlette | SwappableApp, host: str = "127.0.0.1", **options: Any) -> Iterator[str]:
     """Run an ASGI app with uvicorn in a thread on a free loopback port (any of 127/8 on Linux);
     `options`: more of uvicorn's settings."""
     with socket.socket() as sock:
