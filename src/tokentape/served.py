@@ -26,7 +26,7 @@ from tokentape.core.staleness import Staleness
 from tokentape.core.tape import RewritePolicy
 from tokentape.errors import NotFound
 from tokentape.gateway.service import Gateway, UpdaterFactory
-from tokentape.gateway.sessions import REWRITE_POLICIES, MemoryLimits, SessionRegistry
+from tokentape.gateway.sessions import REWRITE_POLICIES, MemoryLimits, SessionRegistry, check_policy
 from tokentape.gateway.updates import WeightUpdater
 from tokentape.server.connections import ConnectionLimits
 from tokentape.server.dialects.images import ImageLimits
@@ -153,7 +153,7 @@ class ServeSpec:
 
     @property
     def policy(self) -> RewritePolicy:
-        return next(p for p in REWRITE_POLICIES if p == self.rewrite_policy)
+        return check_policy(self.rewrite_policy)  # checked in __post_init__: typed here
 
     @property
     def flash(self) -> bool | None:
