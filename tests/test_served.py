@@ -183,7 +183,7 @@ async def test_the_built_gateway_does_what_the_spec_says(renderer: Renderer) -> 
     assert served.model_id == "policy"
     assert gateway.sessions.default_policy == "strict" and gateway.sessions.match_prefix
     assert gateway.admission.max_active == 3 and gateway.clip_max_tokens
-    assert gateway.staleness == Staleness(1, 2, 0.5) and gateway.admission_wait == 0.5
+    assert gateway.staleness == Staleness(1, 2, 0.5)  # the admission wait (0.5 s) included
     assert gateway.group_admission is not None
     assert (gateway.gate.version, gateway.gate.label) == (4, "4")
     assert isinstance(gateway.updates, _Updates) and gateway.updates.gate is gateway.gate

@@ -5,6 +5,7 @@ while admitting it would exceed (K + version + 1) x B groups."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,9 @@ async def test_a_new_group_waits_for_a_version_bump_before_its_429(
     (branch,) = (await admin.get("/sessions/g2/export")).json()["branches"]
     assert {v for v in branch["versions"] if v >= 0} == {1}  # admitted, and sampled, under the new version
     # a bump that makes no room for it: the wait goes on, and ends in the 429 when its time is up
-    fresh.admission_wait = 0.6  # a shorter wait, set in place for the rest of this test
+    fresh.staleness = dataclasses.replace(
+        fresh.staleness, admission_wait=0.6
+    )  # a shorter wait, set in place for the rest of this test
     fresh.group_admission = GroupAdmission(0, 1)
     fresh.group_admission.count += 3  # 4 admitted, room for 2
     started = time.monotonic()
@@ -140,7 +143,7 @@ async def test_a_new_group_waits_for_a_version_bump_before_its_429(
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "admission_closed"
     assert 0.6 <= waited < 5
     # without a wait: refused at once
-    fresh.admission_wait = 0.0
+    fresh.staleness = dataclasses.replace(fresh.staleness, admission_wait=0.0)
     fresh.group_admission = GroupAdmission(0, 1)
     fresh.group_admission.count += 3  # (0 + 2 + 1) x 1: full
     started = time.monotonic()

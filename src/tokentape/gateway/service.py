@@ -114,7 +114,6 @@ class Gateway:
         if staleness.admit_per_version is not None:
             self.group_admission = GroupAdmission(staleness.max_staleness or 0, staleness.admit_per_version)
         self.admission_retry_after = 5.0
-        self.admission_wait = staleness.admission_wait  # seconds a new group may wait for room before its 429
         self._end_of_turn = renderer.tokenizer.end_of_turn_ids
         vision = renderer.vision
         self._banned = tuple(sorted(vision.vision_token_ids)) if vision is not None else ()
@@ -395,7 +394,7 @@ class Gateway:
     async def _admit(self, admission: GroupAdmission, group: str) -> bool:
         """Admit `group` now, or (with `admission_wait`) as soon as a new version makes room within
         that many seconds; False: still no room."""
-        deadline = time.monotonic() + self.admission_wait
+        deadline = time.monotonic() + self.staleness.admission_wait
         while not admission.admit(group, self.gate.version):
             left = deadline - time.monotonic()
             if left <= 0 or not await self.gate.next_version(left):
