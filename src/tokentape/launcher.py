@@ -71,13 +71,17 @@ def running_server(
 
 def _wait_healthy(server: RunningServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"tokentape serve exited early; see {server.log_path}:\n{server.log_path.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.1)
+    # one client for every poll: each new one loads the CA bundle (40-100 ms of CPU here), which made
+    # the poll, not the server, the busiest process while it started
+    with httpx.Client(base_url=server.base_url, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                log = server.log_path.read_text()
+                raise RuntimeError(f"tokentape serve exited early; see {server.log_path}:\n{log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get("/health").status_code == 200:
+                    return
+            time.sleep(0.1)
     raise TimeoutError(f"tokentape serve did not answer within {timeout:.0f} s; see {server.log_path}")
 
 

@@ -29,16 +29,15 @@ def view(
     headers = trainer_headers(api_key)
 
     def snapshot() -> str:
-        listing = httpx.get(f"{url}/sessions", headers=headers, timeout=60)
-        if listing.status_code != 200:
-            raise SystemExit(f"view failed: {listing.text}")
-        listed = listing.json()["data"]
-        exports = {
-            s["session_id"]: httpx.get(
-                f"{url}/sessions/{s['session_id']}/export", params={"texts": "true"}, headers=headers, timeout=60
-            ).json()
-            for s in listed
-        }
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as client:  # one connection for all
+            listing = client.get("/sessions")
+            if listing.status_code != 200:
+                raise SystemExit(f"view failed: {listing.text}")
+            listed = listing.json()["data"]
+            exports = {
+                s["session_id"]: client.get(f"/sessions/{s['session_id']}/export", params={"texts": "true"}).json()
+                for s in listed
+            }
         return static_page({"sessions": listed, "exports": exports})
 
     if out is not None:
