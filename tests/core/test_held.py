@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import random
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -15,20 +16,22 @@ import pytest
 from tokentape.core.held import HeldBytes, parsed_bytes
 
 N = 50_000
-SHAPES: dict[str, Any] = {
-    "empty objects": [{} for _ in range(N)],
-    "empty lists": [[] for _ in range(N)],
-    "one-key objects of a short string": [{"a": "b"} for _ in range(N)],
-    "objects of distinct keys": [{f"k{i}": 0} for i in range(N)],
-    "nested empty objects": [{"a": {"b": {}}} for _ in range(N)],
-    "one-character strings": ["a"] * N,
-    "non-ASCII one-character strings": ["é"] * N,
-    "emoji strings": ["😀"] * N,
-    "long ASCII strings ending in an emoji": ["a" * 10_000 + "😀" for _ in range(20)],
-    "floats": [i + 0.5 for i in range(N)],
-    "big integers": [10**18 + i for i in range(N)],
-    "a wide object": {f"key-{i}": i for i in range(N)},
-    "messages": [{"role": "user", "content": "word " * 40} for _ in range(N // 20)],
+# Built when a case runs: fifty thousand objects apiece, kept for the whole run, would cost every
+# worker their build at collection and then every full garbage collection a walk over them.
+SHAPES: dict[str, Callable[[], Any]] = {
+    "empty objects": lambda: [{} for _ in range(N)],
+    "empty lists": lambda: [[] for _ in range(N)],
+    "one-key objects of a short string": lambda: [{"a": "b"} for _ in range(N)],
+    "objects of distinct keys": lambda: [{f"k{i}": 0} for i in range(N)],
+    "nested empty objects": lambda: [{"a": {"b": {}}} for _ in range(N)],
+    "one-character strings": lambda: ["a"] * N,
+    "non-ASCII one-character strings": lambda: ["é"] * N,
+    "emoji strings": lambda: ["😀"] * N,
+    "long ASCII strings ending in an emoji": lambda: ["a" * 10_000 + "😀" for _ in range(20)],
+    "floats": lambda: [i + 0.5 for i in range(N)],
+    "big integers": lambda: [10**18 + i for i in range(N)],
+    "a wide object": lambda: {f"key-{i}": i for i in range(N)},
+    "messages": lambda: [{"role": "user", "content": "word " * 40} for _ in range(N // 20)],
 }
 
 
@@ -61,7 +64,7 @@ def _holds(text: bytes) -> int:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_estimate_bounds_what_a_parse_holds(shape: str) -> None:
-    text = orjson.dumps(SHAPES[shape])
+    text = orjson.dumps(SHAPES[shape]())
     held = _holds(text)
     assert held <= parsed_bytes(text) <= 6 * max(held, len(text)), (held, parsed_bytes(text), len(text))
 
