@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,8 @@ def embedded_model_path() -> Path:
 
 def gguf_renderer(path: Path) -> Renderer:
     """The chat template and tokenizer stored in a GGUF file."""
-    tokenizer = GGUFTokenizer(path)
+    stat = path.stat()
+    tokenizer = _gguf_tokenizer(path.resolve(), stat.st_size, stat.st_mtime_ns)
     template_source = tokenizer.metadata.get("tokenizer.chat_template")
     if not template_source:
         raise NotFound(f"{path.name} carries no chat template")
@@ -51,6 +53,13 @@ def gguf_renderer(path: Path) -> Renderer:
         eos_token=tokenizer.token_name("tokenizer.ggml.eos_token_id"),
     )
     return Renderer(template, tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: Path, size: int, mtime_ns: int) -> GGUFTokenizer:
+    """One tokenizer a process for each GGUF file as it is on disk (half a second each): the gateways
+    an in-process trainer builds, one per rollout worker or per test, share it. It is read only."""
+    return GGUFTokenizer(path)
 
 
 def hf_renderer(directory: Path) -> Renderer:

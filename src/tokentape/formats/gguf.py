@@ -111,11 +111,16 @@ def read_value(data: mmap.mmap, offset: int, kind: int, *, keep: bool) -> tuple[
         width = struct.calcsize(_SCALARS[item])
         values = list(struct.unpack_from(f"<{size}{_SCALARS[item][1]}", data, offset)) if keep else None
         return values, offset + size * width
-    if item == _STRING and not keep:  # skipped without decoding: a vocabulary is 49k strings
+    if item == _STRING:  # a vocabulary is 49k strings: one loop, skipped without decoding
+        strings: list[str] = []
+        length_at = struct.Struct("<Q").unpack_from
         for _ in range(size):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            offset += 8 + length
-        return None, offset
+            (length,) = length_at(data, offset)
+            offset += 8
+            if keep:
+                strings.append(data[offset : offset + length].decode("utf-8"))
+            offset += length
+        return (strings if keep else None), offset
     out = []
     for _ in range(size):
         value, offset = read_value(data, offset, item, keep=keep)

@@ -78,7 +78,10 @@ class GGUFTokenizer:
         return self._fast is not None
 
     def _agrees(self, copy: tokenizers.Tokenizer) -> bool:
-        specials = [self.special_text(t) for t in range(self.vocab_size) if not self.token_bytes(t)]
+        # the tokens with no visible bytes are control tokens, all of which the copy holds as added
+        # tokens: only those are asked of llama.cpp, not the 49k pieces of the whole vocabulary
+        added = sorted(copy.get_added_tokens_decoder())
+        specials = [self.special_text(t) for t in added if not self.token_bytes(t)]
         probes = [*PROBES, "".join(specials), " ".join(specials)]
         return all(copy.encode(text, add_special_tokens=False).ids == self.llama_encode(text) for text in probes)
 
