@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
-from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
-from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 
 from tests.auth.walk import MODEL, TRAINER, spoiled
 from tokentape.launcher import RunningServer, running_server
 
-set_tracing_disabled(True)
 T = {"authorization": f"Bearer {TRAINER}"}
 FORBIDDEN = [  # what a policy could learn to call: pay itself, end itself, read itself or others, stop everything
     ("POST", "/sessions/{own}/reward", {"reward": 1.0}),
@@ -125,22 +123,31 @@ async def test_an_anthropic_sdk_agent_with_its_key_alone(server: RunningServer) 
 calls: list[str] = []
 
 
-@function_tool
+@pytest.fixture(scope="module")
+def agents() -> ModuleType:
+    """openai-agents, imported when its test runs rather than in every worker's collection (its
+    import alone takes about a second)."""
+    import agents
+
+    agents.set_tracing_disabled(True)  # no trace upload: there is no network here
+    return agents
+
+
 def get_weather(city: str) -> str:
     """Get the current weather in a city."""
     calls.append(city)
     return "cloudy"
 
 
-async def test_an_openai_agents_run_with_its_key_alone(server: RunningServer) -> None:
+async def test_an_openai_agents_run_with_its_key_alone(agents: ModuleType, server: RunningServer) -> None:
     created = session(server, "ag-agent")
     client = openai.AsyncOpenAI(base_url=created["base_url"], api_key=created["api_key"], max_retries=0)
-    agent = Agent(
+    agent = agents.Agent(
         name="weather",
         instructions="You are a helpful assistant.",
-        tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-        model_settings=ModelSettings(temperature=0, max_tokens=60),
+        tools=[agents.function_tool(get_weather)],
+        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=60),
     )
     history: list[Any] = []
     for i, (city, weather) in enumerate([("Berlin", "sunny"), ("Madrid", "hot"), ("Oslo", "snowing")]):
@@ -156,7 +163,9 @@ async def test_an_openai_agents_run_with_its_key_alone(server: RunningServer) ->
             {"role": "assistant", "content": f"It is {weather} in {city}."},
         ]
     calls.clear()
-    result = await Runner.run(agent, input=[*history, {"role": "user", "content": "What is the weather in Rome?"}])
+    result = await agents.Runner.run(
+        agent, input=[*history, {"role": "user", "content": "What is the weather in Rome?"}]
+    )
     assert calls == ["Rome"] and "cloudy" in str(result.final_output)
     assert turns(server, "ag-agent") >= 2
     before = state(server)
