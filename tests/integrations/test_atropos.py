@@ -11,9 +11,6 @@ from typing import Any
 
 import pytest
 import transformers
-from atroposlib.envs.base import BaseEnv, BaseEnvConfig
-from atroposlib.envs.server_handling.managed_server import ManagedServer
-from atroposlib.envs.server_handling.server_baseline import ServerBaseline
 
 from tests.conftest import MODEL_NAME
 from tokentape.client import InProcessGateway
@@ -41,31 +38,39 @@ async def two_turns(managed: Any, item: dict[str, str], n: int) -> list[Any]:
     return replies
 
 
-class TwoTurnEnv(BaseEnv):  # type: ignore[misc]
-    """Ask, let each of n=2 answers be followed up once, score each trajectory."""
+@pytest.fixture(scope="module")
+def two_turn_env() -> type[Any]:
+    """The environment class, defined when its test runs: atroposlib's BaseEnv imports wandb, torch
+    and transformers' model configs (seconds), which every worker's collection would otherwise pay."""
+    from atroposlib.envs.base import BaseEnv
 
-    name = "tokentape_two_turn"
+    class TwoTurnEnv(BaseEnv):  # type: ignore[misc]
+        """Ask, let each of n=2 answers be followed up once, score each trajectory."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.replies: list[Any] = []  # every ChatCompletion the environment received, in order
+        name = "tokentape_two_turn"
 
-    async def setup(self) -> None:
-        return None
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.replies: list[Any] = []  # every ChatCompletion the environment received, in order
 
-    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        async def setup(self) -> None:
+            return None
 
-    async def get_next_item(self) -> dict[str, str]:
-        return {"question": "Name a colour.", "follow_up": "Now name another one."}
+        async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+            return None
 
-    async def collect_trajectories(self, item: dict[str, str]) -> tuple[dict[str, Any], list[Any]]:
-        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-            self.replies = await two_turns(managed, item, self.config.group_size)
-            nodes = managed.get_state()["nodes"]
-            scores = [sum(m != -100 for m in node.masked_tokens) / len(node.tokens) for node in nodes]
-            await managed.set_scores(scores)
-        return scored_data_group(nodes, scores), []
+        async def get_next_item(self) -> dict[str, str]:
+            return {"question": "Name a colour.", "follow_up": "Now name another one."}
+
+        async def collect_trajectories(self, item: dict[str, str]) -> tuple[dict[str, Any], list[Any]]:
+            async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+                self.replies = await two_turns(managed, item, self.config.group_size)
+                nodes = managed.get_state()["nodes"]
+                scores = [sum(m != -100 for m in node.masked_tokens) / len(node.tokens) for node in nodes]
+                await managed.set_scores(scores)
+            return scored_data_group(nodes, scores), []
+
+    return TwoTurnEnv
 
 
 def _logprobs(choice: Any) -> list[float]:
@@ -73,8 +78,11 @@ def _logprobs(choice: Any) -> list[float]:
 
 
 async def test_an_atropos_environment_collects_its_group_through_tokentape(
-    built: Served, hf_dir: Path, tmp_path: Path
+    built: Served, hf_dir: Path, tmp_path: Path, two_turn_env: type[Any]
 ) -> None:
+    from atroposlib.envs.base import BaseEnvConfig
+    from atroposlib.envs.server_handling.server_baseline import ServerBaseline
+
     saved = tmp_path / "groups.jsonl"
     config = BaseEnvConfig(
         tokenizer_name=str(hf_dir),
@@ -83,7 +91,7 @@ async def test_an_atropos_environment_collects_its_group_through_tokentape(
         data_path_to_save_groups=str(saved),
         ensure_scores_are_not_same=False,
     )
-    env = TwoTurnEnv(config, ServerBaseline(), testing=True)
+    env = two_turn_env(config, ServerBaseline(), testing=True)
     local = InProcessGateway(served=built)
     env.server = TokentapeServerManager(local, group_id=GROUP)
     env.max_token_len = 1024
@@ -148,6 +156,8 @@ async def test_atroposlibs_own_managed_server_doubles_the_close_where_tokentape_
     """The same episode and the same sampled tokens through atroposlib's ManagedServer: its text
     matching re-renders the end-of-turn token the model already sampled. The engine is scripted so
     that one choice samples its close and the other is cut by max_tokens, on any machine."""
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
+
     hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     item = {"question": "Name a colour.", "follow_up": "Now name another one."}
     (close,) = hf.encode("<|im_end|>", add_special_tokens=False)
