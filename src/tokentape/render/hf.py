@@ -283,24 +283,49 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     if not tokenizer_file.is_file():
         raise NotFound(f"{directory} has no tokenizer.json")
     config_file = directory / "tokenizer_config.json"
-    config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    source = tokenizer_file.read_bytes()
+    config_text = config_file.read_bytes() if config_file.is_file() else b"{}"
+    config: dict[str, Any] = json.loads(config_text)
+    generation_file = directory / "generation_config.json"
+    generation = generation_file.read_bytes() if generation_file.is_file() else b""
+    tokenizer = _tokenizer(tokenizer_file.read_bytes(), config_text, generation)
+    template = ChatTemplate(
+        _template_source(directory, config),
+        bos_token=_token_content(config.get("bos_token")),
+        eos_token=_token_content(config.get("eos_token")),
+    )
+    return template, tokenizer
+
+
+# tokenizers loaded, by a digest of the three files they are built from: a process that loads the same
+# files again (a gateway built in-process for each rollout worker, or each test) shares one, read only;
+# a Qwen vocabulary takes about a second to load and holds tens of MB
+_TOKENIZERS: BoundedCache[bytes, HFTokenizer] = BoundedCache(4, lambda _: 1)
+
+
+def _tokenizer(source: bytes, config_text: bytes, generation: bytes) -> HFTokenizer:
+    digest = xxhash.xxh3_128()
+    for part in (source, config_text, generation):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    key = digest.digest()
+    loaded = _TOKENIZERS.get(key)
+    if loaded is None:
+        loaded = _load_tokenizer(source, json.loads(config_text), generation)
+        _TOKENIZERS.put(key, loaded)
+    return loaded
+
+
+def _load_tokenizer(source: bytes, config: Mapping[str, Any], generation: bytes) -> HFTokenizer:
     backend = tokenizers.Tokenizer.from_buffer(source)
     _add_declared_tokens(backend, config)
     end_of_turn: set[int] = set()
     eos = _token_content(config.get("eos_token"))
     if eos and (eos_id := backend.token_to_id(eos)) is not None:
         end_of_turn.add(eos_id)
-    generation_file = directory / "generation_config.json"
-    if generation_file.is_file():
-        ids = json.loads(generation_file.read_text()).get("eos_token_id")
+    if generation:
+        ids = json.loads(generation).get("eos_token_id")
         end_of_turn.update([ids] if isinstance(ids, int) else ids or [])
-    template = ChatTemplate(
-        _template_source(directory, config),
-        bos_token=_token_content(config.get("bos_token")),
-        eos_token=eos,
-    )
-    return template, HFTokenizer(backend, end_of_turn=end_of_turn, rank_bpe=_rank_bpe(source, backend))
+    return HFTokenizer(backend, end_of_turn=end_of_turn, rank_bpe=_rank_bpe(source, backend))
 
 
 # built tables, and reasons for none, by the file's digest and the added tokens' flags: at most 8
