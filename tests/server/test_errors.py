@@ -24,9 +24,9 @@ def _with(**changes: Any) -> dict[str, Any]:
 _DROP = object()
 
 
-def _nested(lists: int) -> bytes:
-    """GOOD with a template kwarg that is `lists` arrays deep (the body two levels above them)."""
-    return orjson.dumps(GOOD)[:-1] + b',"chat_template_kwargs":{"x":' + b"[" * lists + b"]" * lists + b"}}"
+def _nested(lists: int, body: dict[str, Any] = GOOD) -> bytes:
+    """`body` with a template kwarg that is `lists` arrays deep (the body two levels above them)."""
+    return orjson.dumps(body)[:-1] + b',"chat_template_kwargs":{"x":' + b"[" * lists + b"]" * lists + b"}}"
 
 
 BAD_BODIES: list[tuple[str, bytes | dict[str, Any] | list[Any], int, str | None]] = [
@@ -66,6 +66,9 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any] | list[Any], int, str | None]
     # JSON that orjson parses (it goes to 1,024 levels) but that recursive steps could not walk
     ("nested a thousand deep", _nested(1000), 400, None),
     ("nested one level past the bound", _nested(MAX_DEPTH - 1), 400, None),
+    # the model is checked before the body is walked or validated: refusing it costs the parse alone
+    ("unknown model, nested past the bound", _nested(1000, _with(model="gpt-4o")), 404, "model"),
+    ("unknown model, an invalid field", _with(model="gpt-4o", n=100), 404, "model"),
 ]
 
 

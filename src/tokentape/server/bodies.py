@@ -20,9 +20,15 @@ MAX_DEPTH = 128
 
 
 async def json_object(
-    request: Request, *, optional: bool = False, parse: Callable[[bytes], Any] = orjson.loads
+    request: Request,
+    *,
+    optional: bool = False,
+    parse: Callable[[bytes], Any] = orjson.loads,
+    first: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The body as a JSON object. `parse`: orjson's, or one that raises as it does (`Reparser`)."""
+    """The body as a JSON object. `parse`: orjson's, or one that raises as it does (`Reparser`).
+    `first`: a refusal read from the top-level keys alone, raised before the body is walked, so that
+    a body refused by it costs its parse and no walk of what it carries (its errors then come first)."""
     body = await request.body()
     if not body.strip():
         if optional:
@@ -34,6 +40,8 @@ async def json_object(
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if first is not None:
+        first(data)
     if _deeper_than(data, MAX_DEPTH):
         raise InvalidRequest(f"the request body nests deeper than {MAX_DEPTH} levels")
     return data

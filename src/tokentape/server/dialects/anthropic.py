@@ -196,12 +196,11 @@ def count_tokens_route(serving: Serving, dialect: AnthropicMessages) -> Callable
         `thinking` in, `{"input_tokens": N}` out, N the prompt a generation with them would send the
         engine as a new conversation. Nothing is recorded; errors in Anthropic's shape."""
         use_error_shape(request, ANTHROPIC_ERRORS)
-        raw = await json_object(request)
+        raw = await json_object(request, first=serving.check_body_model)  # as a generation's: model first
         try:
             req = CountTokensRequest.model_validate(raw)
         except pydantic.ValidationError as exc:
             raise invalid_from_validation(exc) from exc
-        serving.check_model(req.model)
         plan = await serving.gateway.planner.chat(SessionTree("count-tokens"), dialect.count_call(req))
         body: dict[str, Any] = {"input_tokens": len(plan.prompt)}
         if req.context_management is not None:  # no edit here removes anything
