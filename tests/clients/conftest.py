@@ -23,13 +23,13 @@ EARLIER = [("Berlin", "sunny"), ("Madrid", "hot"), ("Oslo", "snowing")]
 SYSTEM = "You are a helpful assistant."
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per worker: each test names its own sessions
 def server() -> Iterator[RunningServer]:
     with running_server(["--context-length", "4096", "--api-key", API_KEY]) as running:
         yield running
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(server: RunningServer) -> str:
     name: str = httpx.get(f"{server.base_url}/v1/models", headers=auth()).json()["data"][0]["id"]
     return name
