@@ -126,6 +126,7 @@ class LlamaCppEngine:
         self.model_path = settings.model_path
         self.adapter_path: Path | None = None
         self._adapter: Any = None  # llama_adapter_lora_p
+        self._probe_ctx: Any = None  # llama_context_p of the loaded model, for probe_weights
         self.weights_version = 0
         self._model_header: GGUFHeader | None = None  # read on the first check
         self.swap_seconds: float | None = None  # how long the last load took
@@ -360,12 +361,9 @@ class LlamaCppEngine:
 
     def _probe_blocking(self) -> None:
         lib = self._lib
-        params = lib.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = 8
-        params.n_threads = params.n_threads_batch = self.threads
-        ctx = lib.llama_init_from_model(self._batcher.native.model, params)
-        if not ctx:
-            raise WeightUpdateFailed("llama.cpp could not create a context for the probe")
+        ctx = self._probe_context()
+        lib.llama_set_n_threads(ctx, self.threads, self.threads)
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)  # the last probe's token
         try:
             if self._adapter:
                 adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self._adapter)
@@ -378,8 +376,27 @@ class LlamaCppEngine:
             logits = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
             if not np.isfinite(logits).all():
                 raise WeightUpdateFailed("the new weights give logits that are not finite")
-        finally:
-            lib.llama_free(ctx)
+        finally:  # between probes it refers to no adapter: the next update frees this one
+            lib.llama_set_adapters_lora(ctx, None, 0, None)
+
+    def _probe_context(self) -> Any:
+        """The scratch context of the loaded model, made on its first probe and kept for the next ones
+        (making one cost about as much CPU as the forward pass itself)."""
+        if self._probe_ctx is None:
+            lib = self._lib
+            params = lib.llama_context_default_params()
+            params.n_ctx = params.n_batch = params.n_ubatch = 8
+            params.n_threads = params.n_threads_batch = self.threads
+            ctx = lib.llama_init_from_model(self._batcher.native.model, params)
+            if not ctx:
+                raise WeightUpdateFailed("llama.cpp could not create a context for the probe")
+            self._probe_ctx = ctx
+        return self._probe_ctx
+
+    def _free_probe_context(self) -> None:
+        if self._probe_ctx is not None:
+            self._lib.llama_free(self._probe_ctx)
+            self._probe_ctx = None
 
     def _load_blocking(self, source: WeightSource, version: int) -> None:
         started = time.perf_counter()
@@ -416,6 +433,7 @@ class LlamaCppEngine:
         if native.n_vocab != self.vocab_size:
             native.close()
             raise WeightUpdateFailed(f"{path} loaded with another vocabulary size")
+        self._free_probe_context()  # made on the old model, freed before it
         old, self._batcher.native = self._batcher.native, native
         self._batcher.threads = self.threads  # what the new context was made with
         self._batcher.reset_slots()  # the new context's cache is empty
@@ -430,6 +448,7 @@ class LlamaCppEngine:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._batcher.close)
+        self._free_probe_context()
         self._free_adapter()
         self._batcher.when_grammars_done(self._batcher.native.close)
 
