@@ -299,7 +299,7 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
 # tokenizers loaded, by a digest of the three files they are built from: a process that loads the same
 # files again (a gateway built in-process for each rollout worker, or each test) shares one, read only;
 # a Qwen vocabulary takes about a second to load and holds tens of MB
-_TOKENIZERS: BoundedCache[bytes, HFTokenizer] = BoundedCache(4, lambda _: 1)
+_TOKENIZERS: BoundedCache[bytes, HFTokenizer] = BoundedCache(8, lambda _: 1)
 
 
 def _tokenizer(source: bytes, config_text: bytes, generation: bytes) -> HFTokenizer:
