@@ -147,8 +147,14 @@ async def test_many_updates_under_several_agents_lose_and_double_nothing(
             seen.setdefault(name, []).extend(streamed)
 
     async def trainer() -> None:
+        handed = own_engine.tokens_generated
         for version in range(1, updates + 1):
             await asyncio.sleep(rng.uniform(0.05, 0.25))  # tokens flow between updates
+            # and every tenth update waits for a token since the one before: on a slow machine, an update
+            # every 0.05-0.25 s could land before any running turn had read its prompt again, every time
+            while version % 10 == 0 and own_engine.tokens_generated == handed:
+                await asyncio.sleep(0.01)
+            handed = own_engine.tokens_generated
             mode = rng.choice(["continue", "continue", "keep"])
             await fresh.update_weights(version, lora=str(adapters[version % 3]), in_flight=mode)
 
