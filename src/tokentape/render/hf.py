@@ -287,7 +287,7 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
     config: dict[str, Any] = json.loads(config_text)
     generation_file = directory / "generation_config.json"
     generation = generation_file.read_bytes() if generation_file.is_file() else b""
-    tokenizer = _tokenizer(tokenizer_file.read_bytes(), config_text, generation)
+    tokenizer = _tokenizer(tokenizer_file.read_bytes(), config, config_text, generation)
     template = ChatTemplate(
         _template_source(directory, config),
         bos_token=_token_content(config.get("bos_token")),
@@ -302,7 +302,8 @@ def load_model_dir(directory: Path) -> tuple[ChatTemplate, HFTokenizer]:
 _TOKENIZERS: BoundedCache[bytes, HFTokenizer] = BoundedCache(8, lambda _: 1)
 
 
-def _tokenizer(source: bytes, config_text: bytes, generation: bytes) -> HFTokenizer:
+def _tokenizer(source: bytes, config: Mapping[str, Any], config_text: bytes, generation: bytes) -> HFTokenizer:
+    """The tokenizer built from these files' bytes (`config` is `config_text` parsed), loaded once."""
     digest = xxhash.xxh3_128()
     for part in (source, config_text, generation):
         digest.update(len(part).to_bytes(8, "little"))
@@ -310,7 +311,7 @@ def _tokenizer(source: bytes, config_text: bytes, generation: bytes) -> HFTokeni
     key = digest.digest()
     loaded = _TOKENIZERS.get(key)
     if loaded is None:
-        loaded = _load_tokenizer(source, json.loads(config_text), generation)
+        loaded = _load_tokenizer(source, config, generation)
         _TOKENIZERS.put(key, loaded)
     return loaded
 
