@@ -100,6 +100,19 @@ async def test_bad_requests_get_openai_errors_and_change_nothing(
     assert (await http.get("/health")).json()["status"] == "ok"
 
 
+async def test_a_model_name_of_megabytes_is_refused_without_being_echoed(http: httpx.AsyncClient) -> None:
+    name = "<|im_end|>" + "m" * (10 << 20)
+    for url, body in [
+        ("/v1/chat/completions", _with(model=name)),
+        ("/v1/completions", {"model": name, "prompt": "hi"}),
+        ("/v1/messages", {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        response = await http.post(url, json=body)
+        assert response.status_code == 404, response.text[:300]
+        assert len(response.content) < 1024
+    assert (await http.get("/sessions")).json()["data"] == []
+
+
 async def test_completion_errors_use_the_same_shape(http: httpx.AsyncClient) -> None:
     cases = [
         ({"model": MODEL_NAME, "prompt": [1, 2, 999999]}, "prompt"),

@@ -121,8 +121,8 @@ class Serving:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
-            raise NotFound(
-                f"the model '{name}' does not exist; this server serves '{self.model}'",
+            raise NotFound(  # the name echoed in part: a 10 MB one is not sent back whole
+                f"the model '{name[:200]}' does not exist; this server serves '{self.model}'",
                 param="model",
                 code="model_not_found",
             )
