@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tokentape.engines.base import Engine
 from tokentape.engines.llamacpp import LlamaCppEngine, LlamaCppSettings
-from tokentape.engines.remote import make_engine
 from tokentape.engines.router import Router
 from tokentape.errors import InvalidRequest, NotFound
 from tokentape.render.hf import load_model_dir
@@ -82,6 +81,8 @@ def make_engines(
     tokentape renders and records, they only sample) or, with none, the embedded llama.cpp engine
     on `model`, whose vocabulary `renderer`'s tokenizer must fit."""
     if engines:
+        from tokentape.engines.remote.kinds import make_engine  # aiohttp and the engines' modules: only here
+
         return Router([make_engine(spec) for spec in engines], vocab_size=renderer.tokenizer.vocab_size)
     engine = LlamaCppEngine(
         LlamaCppSettings(

@@ -17,12 +17,14 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokentape.core.sampling import SamplingParams
 from tokentape.engines.base import Constraint, PromptImage, SampledToken, takes_images
-from tokentape.engines.remote import RemoteEngine, make_engine
 from tokentape.errors import EngineFailure, EngineUnavailable, InvalidRequest, NotFound
+
+if TYPE_CHECKING:  # the engines' modules (and aiohttp) load with the first remote engine
+    from tokentape.engines.remote import RemoteEngine
 
 __all__ = ["Router"]
 
@@ -82,6 +84,8 @@ class Router:
 
     async def add_member(self, spec: str, admit: Callable[[], None]) -> None:
         """Add the engine `spec` names once it answers its health check, unless `admit()` raises then."""
+        from tokentape.engines.remote.kinds import make_engine
+
         engine = make_engine(spec)
         try:
             await engine.discover()
