@@ -2,7 +2,8 @@
 its `/inference/v1/generate` token endpoint) and SGLang (`sglang`: `/generate`), one module per wire
 dialect (`vllm.py`, `sglang.py`) over one shared exchange (`client.py`: connection pools, the event
 stream, and the one place where what goes wrong becomes an error of tokentape's tree); `wire.py` holds
-the fields and checks both wire formats share, `updates.py` what both need to take new weights."""
+the fields and checks both wire formats share, `updates.py` what both need to take new weights,
+`kinds.py` the engines by the kind `--engine KIND=URL` names."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 # Each name is imported from its module on first use: the dialects import `wire` alone, and a gateway
-# on the embedded engine never loads aiohttp and the engines' modules (about 0.4 s of every start).
+# on the embedded engine never loads aiohttp and the engines' modules (about 0.3 s of every start).
 _HOMES = {
     "ENGINE_KINDS": "kinds",
     "RemoteEngine": "client",
