@@ -14,7 +14,7 @@ from tokentape.client import InProcessGateway
 from tokentape.integrations.atropos import TokentapeServerManager
 from tokentape.served import Served
 
-FILLER = "one two three four five six seven eight nine ten " * 90
+FILLER = "one two three four five six seven eight nine ten " * 15  # most of small_built's 256-token context
 
 
 def _count_requests(local: InProcessGateway) -> list[str]:
@@ -61,8 +61,8 @@ async def test_nodes_come_from_the_replies_and_equal_the_export(built: Served, h
         await local.aclose()
 
 
-async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Served) -> None:
-    local = InProcessGateway(served=built)
+async def test_an_episode_that_fills_the_context_ends_with_its_status(small_built: Served) -> None:
+    local = InProcessGateway(served=small_built)
     try:
         # no tokenizer given: full_text is the gateway's, detokenized a call's new tokens at a time
         async with TokentapeServerManager(local).managed_server() as managed:
@@ -79,7 +79,8 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Ser
             assert replies[0].choices[0].finish_reason == "length"  # clipped to the room left
             assert [r.choices[0].message.content for r in replies[1:]] == ["", "", ""]
             (node,) = managed.get_state()["nodes"]
-            assert node.metadata["status"] == "context_full" and len(node.tokens) == built.gateway.engine.context_length
+            assert node.metadata["status"] == "context_full"
+            assert len(node.tokens) == small_built.gateway.engine.context_length
             whole = await local.detokenize(node.tokens)
             assert node.full_text == whole
             await managed.set_scores([0.0])
@@ -89,8 +90,8 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Ser
         await local.aclose()
 
 
-async def test_an_episode_whose_first_request_does_not_fit_has_no_node_and_its_status(built: Served) -> None:
-    local = InProcessGateway(served=built)
+async def test_an_episode_whose_first_request_does_not_fit_has_no_node_and_its_status(small_built: Served) -> None:
+    local = InProcessGateway(served=small_built)
     try:
         async with TokentapeServerManager(local).managed_server() as managed:
             messages = [{"role": "user", "content": FILLER * 2}]  # past the context alone

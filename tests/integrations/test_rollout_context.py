@@ -11,7 +11,7 @@ from tokentape.client import InProcessGateway
 from tokentape.rollout import Episode, run_rollout
 from tokentape.served import Served
 
-FILLER = "one two three four five six seven eight nine ten " * 90  # most of a 1024-token context
+FILLER = "one two three four five six seven eight nine ten " * 15  # most of small_built's 256-token context
 
 
 async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
@@ -33,8 +33,8 @@ async def agent(client: openai.AsyncOpenAI, episode: Episode) -> float:
     return 1.0
 
 
-async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Served) -> None:
-    local = InProcessGateway(served=built)
+async def test_an_episode_that_fills_the_context_ends_with_its_status(small_built: Served) -> None:
+    local = InProcessGateway(served=small_built)
     try:
         stats = await run_rollout(
             agent, local, episodes=3, concurrency=1, group_size=3, run_id="ctx", overflow_reward=-0.5
@@ -46,15 +46,15 @@ async def test_an_episode_that_fills_the_context_ends_with_its_status(built: Ser
         full = exported["ctx-00001"]
         assert full["reward"] == -0.5
         (branch,) = (await local.export("ctx-00001"))["branches"]
-        assert len(branch["tokens"]) == built.gateway.engine.context_length  # clipped to the room, then full
+        assert len(branch["tokens"]) == small_built.gateway.engine.context_length  # clipped to the room, then full
         assert branch["finish_reasons"][-1] == "length"
         assert exported["ctx-00000"]["reward"] == 1.0 and exported["ctx-00002"]["reward"] is None
     finally:
         await local.aclose()
 
 
-async def test_an_anthropic_sdk_agent_that_fills_the_context_ends_the_same_way(built: Served) -> None:
-    local = InProcessGateway(served=built)
+async def test_an_anthropic_sdk_agent_that_fills_the_context_ends_the_same_way(small_built: Served) -> None:
+    local = InProcessGateway(served=small_built)
 
     async def claude_style(client: openai.AsyncOpenAI, episode: Episode) -> float:
         base = str(client.base_url).rstrip("/").removesuffix("/v1")  # .../sessions/<id>
