@@ -132,12 +132,12 @@ def load_model(path: Path) -> Any:
             )
         # the weights are dequantized float32 tensors: nothing of the file's quantization remains, but the
         # loader marks the model as GGUF-quantized, which trainers (transformers' Trainer) refuse to train
-        model.hf_quantizer = None  # type: ignore[assignment]
-        model.is_quantized = False  # type: ignore[assignment]
+        model.hf_quantizer = None
+        model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         _keep(model, copy)
-    model.eval()  # type: ignore[no-untyped-call]
+    model.eval()
     return model
 
 
