@@ -14,12 +14,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import ray
 
 from tests.ray.conftest import free_port_block
+from tests.support.http_client import fresh_connections
+
+HTTP = fresh_connections()  # one TLS context for the module's calls, a connection for each
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Name a colour."}]
@@ -109,7 +111,7 @@ def _check_exact(exported: dict[str, Any], calls: list[list[int]]) -> None:
 
 def test_sessions_spread_and_every_export_is_exact(cluster: dict[str, Any]) -> None:
     front, gateways = cluster["front"], cluster["gateways"]
-    created = [httpx.post(f"{front}/sessions", json={"session_id": f"spread-{i}"}).json() for i in range(4)]
+    created = [HTTP.post(f"{front}/sessions", json={"session_id": f"spread-{i}"}).json() for i in range(4)]
     owners = {c["base_url"].split("/sessions/")[0] for c in created}
     assert owners == set(gateways.values()), "new sessions go to the least-loaded gateway: both get some"
 
@@ -119,7 +121,7 @@ def test_sessions_spread_and_every_export_is_exact(cluster: dict[str, Any]) -> N
     calls = asyncio.run(run())
     for c, seen in zip(created, calls, strict=True):
         owner = c["base_url"].split("/sessions/")[0]
-        exported = httpx.get(f"{owner}/sessions/{c['session_id']}/export").json()
+        exported = HTTP.get(f"{owner}/sessions/{c['session_id']}/export").json()
         _check_exact(exported, seen)
     # the engines are shared: sessions of both gateways spread over both engine actors, and stay
     engines = ray.get(cluster["cluster"].registry.describe.remote())
@@ -127,13 +129,13 @@ def test_sessions_spread_and_every_export_is_exact(cluster: dict[str, Any]) -> N
     assert sum(engines["in_flight"].values()) == 0
     # any gateway (and the front) gathers every shard
     for url in [front, *gateways.values()]:
-        listed = {row["session_id"] for row in httpx.get(f"{url}/export", params={"prefix": "spread-"}).json()["data"]}
+        listed = {row["session_id"] for row in HTTP.get(f"{url}/export", params={"prefix": "spread-"}).json()["data"]}
         assert listed == {c["session_id"] for c in created}
 
 
 def test_a_request_naming_its_session_by_header_or_body_reaches_the_owner(cluster: dict[str, Any]) -> None:
     front, gateways = cluster["front"], cluster["gateways"]
-    created = httpx.post(f"{front}/sessions", json={"session_id": "named-elsewhere"}).json()
+    created = HTTP.post(f"{front}/sessions", json={"session_id": "named-elsewhere"}).json()
     owner = created["base_url"].split("/sessions/")[0]
     (other,) = [url for url in gateways.values() if url != owner]
 
@@ -158,13 +160,13 @@ def test_a_request_naming_its_session_by_header_or_body_reaches_the_owner(cluste
         return [*by_header, prompt + streamed_tokens]
 
     by_header, streamed = asyncio.run(run())
-    exported = httpx.get(f"{owner}/sessions/named-elsewhere/export").json()
+    exported = HTTP.get(f"{owner}/sessions/named-elsewhere/export").json()
     # same first message twice: two sibling branches, one per call, each exactly what that call saw
     branches = sorted(branch["tokens"] for branch in exported["branches"])
     assert branches == sorted([by_header, streamed])
     assert exported["summary"]["turns"] == 2
     # the non-owner's shard holds nothing of it
-    assert httpx.get(f"{other}/export", params={"prefix": "named-elsewhere"}).json()["data"]
+    assert HTTP.get(f"{other}/export", params={"prefix": "named-elsewhere"}).json()["data"]
 
 
 def test_metrics_on_the_gateways_count_what_the_shards_hold(cluster: dict[str, Any]) -> None:
@@ -172,11 +174,11 @@ def test_metrics_on_the_gateways_count_what_the_shards_hold(cluster: dict[str, A
 
     counted = {"tokentape_turns_total": 0.0, "tokentape_sampled_tokens_total": 0.0}
     for url in cluster["gateways"].values():
-        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for family in text_string_to_metric_families(HTTP.get(f"{url}/metrics").text):
             for sample in family.samples:
                 if sample.name in counted:
                     counted[sample.name] += sample.value
-    listed = httpx.get(f"{cluster['front']}/sessions").json()["data"]
+    listed = HTTP.get(f"{cluster['front']}/sessions").json()["data"]
     assert counted["tokentape_turns_total"] == sum(s["turns"] for s in listed) > 0
     assert counted["tokentape_sampled_tokens_total"] == sum(s["sampled_tokens"] for s in listed) > 0
 
@@ -186,18 +188,18 @@ def test_every_gateway_bounds_a_request_head_before_its_app(cluster: dict[str, A
     (256, each small enough for the app's own byte limit) get 431 before the app reads them."""
     many = [(f"x-h{i}", "v") for i in range(300)]
     for url in cluster["gateways"].values():
-        response = httpx.get(f"{url}/health", headers=many)
+        response = HTTP.get(f"{url}/health", headers=many)
         assert response.status_code == 431, response.text
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert HTTP.get(f"{url}/health").status_code == 200
 
 
 def test_the_front_pages_through_every_shard_in_order(cluster: dict[str, Any]) -> None:
     front = cluster["front"]
-    everything = httpx.get(f"{front}/sessions").json()["data"]
+    everything = HTTP.get(f"{front}/sessions").json()["data"]
     paged: list[dict[str, Any]] = []
     cursor = None
     while True:
-        page = httpx.get(f"{front}/sessions", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        page = HTTP.get(f"{front}/sessions", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
         assert len(page["data"]) <= 2
         paged += page["data"]
         if not page["has_more"]:
@@ -210,7 +212,7 @@ def test_the_front_pages_through_every_shard_in_order(cluster: dict[str, Any]) -
 
 def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generation(cluster: dict[str, Any]) -> None:
     front, gateways = cluster["front"], cluster["gateways"]
-    created = httpx.post(f"{front}/sessions", json={"session_id": "left-early"}).json()
+    created = HTTP.post(f"{front}/sessions", json={"session_id": "left-early"}).json()
     owner = created["base_url"].split("/sessions/")[0]
     (other,) = [url for url in gateways.values() if url != owner]
     body = {
@@ -220,7 +222,7 @@ def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generatio
         "temperature": 0,
         "stream": True,
     }
-    with httpx.stream(
+    with HTTP.stream(
         "POST", f"{other}/v1/chat/completions", json=body, headers={"X-Session-ID": "left-early"}, timeout=60
     ) as response:
         lines = response.iter_lines()
@@ -228,7 +230,7 @@ def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generatio
     assert any(line.startswith("data: {") for line in received)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        (branch,) = httpx.get(f"{owner}/sessions/left-early/export").json()["branches"] or [None]
+        (branch,) = HTTP.get(f"{owner}/sessions/left-early/export").json()["branches"] or [None]
         if branch is not None:
             break
         time.sleep(0.5)
@@ -239,7 +241,7 @@ def test_a_client_leaving_a_stream_at_another_gateway_stops_the_owners_generatio
 
 def test_a_killed_gateway_loses_no_acknowledged_turn_and_its_sessions_go_on(cluster: dict[str, Any]) -> None:
     started, front = cluster["cluster"], cluster["front"]
-    created = [httpx.post(f"{front}/sessions", json={"session_id": f"survivor-{i}"}).json() for i in range(4)]
+    created = [HTTP.post(f"{front}/sessions", json={"session_id": f"survivor-{i}"}).json() for i in range(4)]
     acknowledged: dict[str, list[list[int]]] = {c["session_id"]: [] for c in created}
     victim = started.describe()[0]
 
@@ -289,7 +291,7 @@ def test_a_killed_gateway_loses_no_acknowledged_turn_and_its_sessions_go_on(clus
     lost = 0
     for c in created:
         owner = c["base_url"].split("/sessions/")[0]
-        exported = httpx.get(f"{owner}/sessions/{c['session_id']}/export").json()
+        exported = HTTP.get(f"{owner}/sessions/{c['session_id']}/export").json()
         stored = [b["tokens"] for b in exported["branches"]]
         for tokens in acknowledged[c["session_id"]]:
             lost += not any(branch[: len(tokens)] == tokens for branch in stored)
@@ -306,10 +308,10 @@ def test_the_trajectory_queue_hands_over_every_finished_session_once(cluster: di
     front = cluster["front"]
     ids = [f"finished-{i}" for i in range(5)]
     for session_id in ids:
-        created = httpx.post(f"{front}/sessions", json={"session_id": session_id}).json()
+        created = HTTP.post(f"{front}/sessions", json={"session_id": session_id}).json()
         asyncio.run(_turns(_sdk(created["base_url"]), 1))
-        assert httpx.post(f"{front}/sessions/{session_id}/finish").status_code == 200
-    assert httpx.post(f"{front}/sessions/{ids[0]}/finish").status_code in (200, 409)  # asked twice
+        assert HTTP.post(f"{front}/sessions/{session_id}/finish").status_code == 200
+    assert HTTP.post(f"{front}/sessions/{ids[0]}/finish").status_code in (200, 409)  # asked twice
     reader = trajectories("test")
     got: list[dict[str, Any]] = []
     while batch := reader.get(max_items=3, timeout=5):
@@ -324,7 +326,7 @@ def test_status_counts_what_the_shards_hold(cluster: dict[str, Any]) -> None:
     from tokentape.cli import app
     from tokentape.ray.cluster import cluster_status
 
-    listed = httpx.get(f"{cluster['front']}/sessions").json()["data"]
+    listed = HTTP.get(f"{cluster['front']}/sessions").json()["data"]
     state = cluster_status()
     assert [g["url"] for g in state["gateways"]] == list(cluster["gateways"].values())
     assert sum(g["open_sessions"] for g in state["gateways"]) == sum(not s["finished"] for s in listed)

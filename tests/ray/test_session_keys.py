@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.auth.walk import spoiled
 from tests.ray.conftest import free_port_block
 from tests.ray.test_cluster import Front
+from tests.support.http_client import fresh_connections
+
+HTTP = fresh_connections()  # one TLS context for the module's calls, a connection for each
 
 MODEL = "smollm2-135m-instruct"
 TRAINER = "ray-trainer-key"
@@ -50,16 +52,16 @@ def keyed(ray_local: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def test_a_session_key_works_on_every_gateway_and_reaches_nothing_else(keyed: dict[str, Any]) -> None:
     front, gateways = keyed["front"], keyed["gateways"]
-    created = [httpx.post(f"{front}/sessions", json={"session_id": f"rk-{i}"}, headers=T).json() for i in range(4)]
+    created = [HTTP.post(f"{front}/sessions", json={"session_id": f"rk-{i}"}, headers=T).json() for i in range(4)]
     owners = {c["base_url"].split("/sessions/")[0] for c in created}
     assert owners == set(gateways)  # the sessions spread over both gateways
     for c in created:
         name, agent = c["session_id"], {"authorization": f"Bearer {c['api_key']}"}
         other = next(o for o in created if o["session_id"] != name)
         for entry in [front, *gateways]:
-            reply = httpx.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60)
+            reply = HTTP.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60)
             assert reply.status_code == 200 and reply.headers["x-session-id"] == name, (entry, reply.text)
-            based = httpx.post(
+            based = HTTP.post(
                 f"{entry}/sessions/{name}/v1/completions",
                 json={"model": MODEL, "prompt": "a", "max_tokens": 1},
                 headers={"x-api-key": c["api_key"]},
@@ -76,12 +78,12 @@ def test_a_session_key_works_on_every_gateway_and_reaches_nothing_else(keyed: di
                 ("POST", "/admin/pause"),
                 ("POST", f"/sessions/{other['session_id']}/v1/chat/completions"),
             ):
-                refused = httpx.request(method, f"{entry}{path}", json=CHAT, headers=agent, timeout=60)
+                refused = HTTP.request(method, f"{entry}{path}", json=CHAT, headers=agent, timeout=60)
                 assert refused.status_code == 403, (entry, method, path, refused.text)
-            assert httpx.post(f"{entry}/v1/chat/completions", json=CHAT, timeout=60).status_code == 401
-        summary = httpx.get(f"{front}/sessions/{name}", headers=T).json()
+            assert HTTP.post(f"{entry}/v1/chat/completions", json=CHAT, timeout=60).status_code == 401
+        summary = HTTP.get(f"{front}/sessions/{name}", headers=T).json()
         assert summary["turns"] == 6 and summary["reward"] is None and not summary["finished"]
-    listed = httpx.get(f"{front}/sessions", headers=T).json()["data"]
+    listed = HTTP.get(f"{front}/sessions", headers=T).json()["data"]
     assert sorted(s["session_id"] for s in listed) == [f"rk-{i}" for i in range(4)]
 
 
@@ -89,14 +91,14 @@ def test_finished_sessions_reach_the_queue_and_their_keys_stop(keyed: dict[str, 
     from tokentape.ray import trajectories
 
     front = keyed["front"]
-    created = httpx.post(f"{front}/sessions", json={"session_id": "rk-done"}, headers=T).json()
+    created = HTTP.post(f"{front}/sessions", json={"session_id": "rk-done"}, headers=T).json()
     agent = {"authorization": f"Bearer {created['api_key']}"}
-    assert httpx.post(f"{front}/v1/chat/completions", json=CHAT, headers=agent, timeout=60).status_code == 200
-    assert httpx.post(f"{front}/sessions/rk-done/finish", headers=T, timeout=60).status_code == 200
+    assert HTTP.post(f"{front}/v1/chat/completions", json=CHAT, headers=agent, timeout=60).status_code == 200
+    assert HTTP.post(f"{front}/sessions/rk-done/finish", headers=T, timeout=60).status_code == 200
     (handed,) = trajectories("keyed").get(max_items=1, timeout=30)  # the gateway's own export, keyed
     assert handed["session_id"] == "rk-done"
     for entry in [front, *keyed["gateways"]]:
-        assert httpx.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60).status_code == 409
+        assert HTTP.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60).status_code == 409
 
 
 def test_keys_work_again_after_their_gateway_is_killed(keyed: dict[str, Any]) -> None:
@@ -106,7 +108,7 @@ def test_keys_work_again_after_their_gateway_is_killed(keyed: dict[str, Any]) ->
 
     started, front = keyed["cluster"], keyed["front"]
     victim = started.describe()[0]
-    created = [httpx.post(f"{front}/sessions", json={"session_id": f"rk-kill-{i}"}, headers=T).json() for i in range(4)]
+    created = [HTTP.post(f"{front}/sessions", json={"session_id": f"rk-kill-{i}"}, headers=T).json() for i in range(4)]
     owned = [c for c in created if c["base_url"].startswith(victim["url"])]
     assert owned, "the gateway killed owns some of the sessions"
     os.kill(victim["pid"], signal.SIGKILL)
@@ -117,9 +119,9 @@ def test_keys_work_again_after_their_gateway_is_killed(keyed: dict[str, Any]) ->
     for c in owned:  # the restarted gateway knows each key from the digest in its shard
         agent = {"authorization": f"Bearer {c['api_key']}"}
         for entry in [front, *keyed["gateways"]]:
-            reply = httpx.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60)
+            reply = HTTP.post(f"{entry}/v1/chat/completions", json=CHAT, headers=agent, timeout=60)
             assert reply.status_code == 200 and reply.headers["x-session-id"] == c["session_id"], reply.text
-        refused = httpx.post(f"{front}/sessions/{c['session_id']}/reward", json={"reward": 1}, headers=agent)
+        refused = HTTP.post(f"{front}/sessions/{c['session_id']}/reward", json={"reward": 1}, headers=agent)
         assert refused.status_code == 403
         wrong = {"authorization": f"Bearer {spoiled(c['api_key'])}"}
-        assert httpx.post(f"{front}/v1/chat/completions", json=CHAT, headers=wrong, timeout=60).status_code == 401
+        assert HTTP.post(f"{front}/v1/chat/completions", json=CHAT, headers=wrong, timeout=60).status_code == 401

@@ -8,13 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import ray
 
 from tests.ray.conftest import free_port_block
+from tests.support.http_client import fresh_connections
 from tests.support.lora import write_lora
 from tokentape.core.staleness import Staleness, admission_limit
+
+HTTP = fresh_connections()  # one TLS context for the module's calls, a connection for each
 
 MODEL = "smollm2-135m-instruct"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3, "temperature": 0}
@@ -47,37 +49,37 @@ def test_every_gateway_switches_version_together(weights_cluster: Any, tmp_path:
     adapter = write_lora(tmp_path / "adapter.gguf", seed=5)
     urls = list(weights_cluster.gateway_urls.values())
     before = [
-        httpx.post(f"{u}/sessions/before-{i}/v1/chat/completions", json=BODY, timeout=60) for i, u in enumerate(urls)
+        HTTP.post(f"{u}/sessions/before-{i}/v1/chat/completions", json=BODY, timeout=60) for i, u in enumerate(urls)
     ]
     assert all(r.status_code == 200 for r in before)
 
     # through one gateway's admin route: the registry runs it over the whole cluster
-    answer = httpx.post(f"{urls[0]}/admin/weights", json={"version": 1, "lora": str(adapter)}, timeout=120)
+    answer = HTTP.post(f"{urls[0]}/admin/weights", json={"version": 1, "lora": str(adapter)}, timeout=120)
     assert answer.status_code == 200, answer.text
     report = answer.json()
     assert report["engines"] == {"tokentape-engine-0": 1} and len(report["gateways"]) == 2
     assert set(report["phases"]) == {"check", "hold", "pause", "load", "probe", "resume"}
-    states = [httpx.get(f"{u}/admin/status", timeout=30).json() for u in urls]
+    states = [HTTP.get(f"{u}/admin/status", timeout=30).json() for u in urls]
     assert [(s["weights_version"], s["paused"]) for s in states] == [(1, False), (1, False)]
     status = cluster_status()
     assert status["engines"]["engine_versions"] == {"tokentape-engine-0": 1}
     assert [g["weights_version"] for g in status["gateways"]] == [1, 1]
 
     for i, url in enumerate(urls):
-        after = httpx.post(f"{url}/sessions/after-{i}/v1/chat/completions", json=BODY, timeout=60)
+        after = HTTP.post(f"{url}/sessions/after-{i}/v1/chat/completions", json=BODY, timeout=60)
         assert after.status_code == 200
-        branch = httpx.get(f"{url}/sessions/after-{i}/export", timeout=30).json()["branches"][0]
+        branch = HTTP.get(f"{url}/sessions/after-{i}/export", timeout=30).json()["branches"][0]
         (start, end) = branch["action_ranges"][0]
         assert branch["policy_spans"] == [[{"version": 1, "start": 0, "end": end - start}]]
         assert branch["param_version_start"] == branch["param_version_end"] == 1
 
     # the same through the Python API; then a stale version and a missing path change nothing
     assert weights_cluster.update_weights(2, lora=str(adapter))["version"] == 2
-    refused = httpx.post(f"{urls[1]}/admin/weights", json={"version": 2, "lora": str(adapter)}, timeout=60)
+    refused = HTTP.post(f"{urls[1]}/admin/weights", json={"version": 2, "lora": str(adapter)}, timeout=60)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "version_not_new"
-    missing = httpx.post(f"{urls[1]}/admin/weights", json={"version": 3, "lora": "/nope.gguf"}, timeout=60)
+    missing = HTTP.post(f"{urls[1]}/admin/weights", json={"version": 3, "lora": "/nope.gguf"}, timeout=60)
     assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
-    assert [httpx.get(f"{u}/admin/status", timeout=30).json()["weights_version"] for u in urls] == [2, 2]
+    assert [HTTP.get(f"{u}/admin/status", timeout=30).json()["weights_version"] for u in urls] == [2, 2]
     assert ray.get(weights_cluster.engines[0].info.remote())["weights_version"] == 2
 
 
@@ -99,8 +101,8 @@ def test_a_restarted_gateway_starts_at_the_clusters_version(weights_cluster: Any
     assert restarted["pid"] != victim["pid"]
     assert restarted["weights_version"] == 3  # the engine actor holds version 3's weights
     url = restarted["url"]
-    assert httpx.post(f"{url}/sessions/after-restart/v1/chat/completions", json=BODY, timeout=60).status_code == 200
-    branch = httpx.get(f"{url}/sessions/after-restart/export", timeout=30).json()["branches"][0]
+    assert HTTP.post(f"{url}/sessions/after-restart/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    branch = HTTP.get(f"{url}/sessions/after-restart/export", timeout=30).json()["branches"][0]
     assert branch["param_version_start"] == branch["param_version_end"] == 3
     assert branch["policy_versions"] == ["3"]
 
@@ -129,24 +131,24 @@ def test_a_gateway_held_by_a_cluster_update_is_not_resumed_by_hand(weights_clust
     gateway = ray.get_actor(gateway_name(0), namespace=NAMESPACE)
     ray.get(gateway.hold_for_update.remote("continue"))  # what the registry does first
     try:
-        resumed = httpx.post(f"{url}/admin/resume", json={}, timeout=30)
+        resumed = HTTP.post(f"{url}/admin/resume", json={}, timeout=30)
         assert resumed.status_code == 409, resumed.text
         assert resumed.json()["error"]["code"] == "update_in_progress"
-        assert httpx.get(f"{url}/admin/status", timeout=30).json()["paused"] is True
+        assert HTTP.get(f"{url}/admin/status", timeout=30).json()["paused"] is True
     finally:
         ray.get(gateway.finish_update.remote(None))  # what the registry does after a rollback
-    assert httpx.get(f"{url}/admin/status", timeout=30).json()["paused"] is False
-    assert httpx.post(f"{url}/admin/resume", json={}, timeout=30).status_code == 200
+    assert HTTP.get(f"{url}/admin/status", timeout=30).json()["paused"] is False
+    assert HTTP.post(f"{url}/admin/resume", json={}, timeout=30).status_code == 200
 
 
 def test_staleness_options_reach_every_gateway(weights_cluster: Any, tmp_path: Path) -> None:
     adapter = write_lora(tmp_path / "adapter.gguf", seed=6)
     urls = list(weights_cluster.gateway_urls.values())
-    version = httpx.get(f"{urls[0]}/admin/status", timeout=30).json()["weights_version"]
+    version = HTTP.get(f"{urls[0]}/admin/status", timeout=30).json()["weights_version"]
     # admission: each gateway admits at most (K + version + 1) x B groups; 2 x that + 4 new ones cannot all fit
     tries = 2 * admission_limit(version, 1, 2) + 4
     answers = [
-        httpx.post(f"{urls[i % 2]}/sessions/adm-{i}/v1/chat/completions", json=BODY, timeout=60) for i in range(tries)
+        HTTP.post(f"{urls[i % 2]}/sessions/adm-{i}/v1/chat/completions", json=BODY, timeout=60) for i in range(tries)
     ]
     admitted = [i for i, r in enumerate(answers) if r.status_code == 200]
     refused = [r for r in answers if r.status_code != 200]
@@ -158,11 +160,11 @@ def test_staleness_options_reach_every_gateway(weights_cluster: Any, tmp_path: P
     # is 0 (set at creation through the cluster) only at the version it began under
     old = f"adm-{admitted[0]}"
     assert weights_cluster.update_weights(version + 1, lora=str(adapter))["version"] == version + 1
-    assert httpx.post(f"{urls[1]}/sessions/{old}/v1/chat/completions", json=BODY, timeout=60).status_code == 200
-    own = httpx.post(f"{urls[1]}/sessions", json={"session_id": "own-k0", "max_staleness": 0}, timeout=30)
+    assert HTTP.post(f"{urls[1]}/sessions/{old}/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    own = HTTP.post(f"{urls[1]}/sessions", json={"session_id": "own-k0", "max_staleness": 0}, timeout=30)
     assert own.status_code == 201 and own.json()["max_staleness"] == 0
-    assert httpx.post(f"{urls[0]}/sessions/own-k0/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    assert HTTP.post(f"{urls[0]}/sessions/own-k0/v1/chat/completions", json=BODY, timeout=60).status_code == 200
     assert weights_cluster.update_weights(version + 2, lora=str(adapter))["version"] == version + 2
     for name in (old, "own-k0"):
-        stale = httpx.post(f"{urls[0]}/sessions/{name}/v1/chat/completions", json=BODY, timeout=60)
+        stale = HTTP.post(f"{urls[0]}/sessions/{name}/v1/chat/completions", json=BODY, timeout=60)
         assert stale.status_code == 409 and stale.json()["error"]["code"] == "session_stale", name
