@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from tests.images.conftest import App, Engine, Oracle, data_url, open_app, png
 from tests.support.fake_engines import SwappableApp, serving
 from tokentape.render.renderer import Renderer
+from tokentape.server import image_urls
 from tokentape.server.dialects.images import ImageLimits
 from tokentape.server.image_urls import address_refusal
 
@@ -237,3 +239,25 @@ HOSTILE_URLS = [
 @pytest.mark.parametrize("url", HOSTILE_URLS, ids=range(len(HOSTILE_URLS)))
 async def test_a_hostile_url_is_a_400_never_a_500(opened: App, url: str) -> None:
     _refused(await _ask(opened, "hostile", url))
+
+
+async def test_requests_with_image_urls_share_one_tls_context(
+    opened: App, oracle: Oracle, sites: tuple[Site, str, Site, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TLS context loads its CA bundle when it is built (about 50 ms of CPU on the event loop): one is
+    built for the process, not one for each request that carries an image URL."""
+    _, url, _, _ = sites
+    loads: list[object] = []
+    load = ssl.SSLContext.load_verify_locations
+
+    def counted(context: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(args or kwargs)
+        load(context, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    image_urls._tls.cache_clear()  # as in a process that has fetched nothing yet
+    for i in range(3):
+        opened.queue(oracle.answer("Red."))
+        response = await _ask(opened, f"tls-{i}", f"{url}/screen.png?{i}")
+        assert response.status_code == 200, response.text
+    assert len(loads) == 1
