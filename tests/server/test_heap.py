@@ -5,6 +5,8 @@ program leaves that program's collector as it was."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,3 +60,36 @@ def test_a_gateway_inside_another_program_leaves_its_collector_alone(
         assert client.get("/health").status_code == 200
         assert gc.get_freeze_count() == 0
         assert gc.get_threshold() == restored_collector
+
+
+_LARGE_BLOCKS = """
+import ctypes, sys
+from tokentape.server.heap import settle_for_serving
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    sys.exit(print("no mallinfo2"))
+libc.mallinfo2.restype = Mallinfo2
+if sys.argv[1] == "serving":
+    settle_for_serving()
+freed = bytearray(8 << 20)
+del freed  # glibc now carves blocks of up to 8 MB from the heap, unless the size is fixed
+mapped = libc.mallinfo2().hblkhd
+block = bytearray(4 << 20)
+print(libc.mallinfo2().hblkhd - mapped >= 4 << 20)
+"""
+
+
+@pytest.mark.parametrize(("process", "maps"), [("serving", "True"), ("library", "False")])
+def test_a_serving_process_maps_every_large_block_and_gives_it_back(process: str, maps: str) -> None:
+    """A block of 1 MB or more gets a mapping of its own, which goes back to the system when it is freed,
+    even after a larger one was freed (glibc's default then carves such blocks from the heap, where freed
+    memory mostly stays: the library case, which shows this libc behaves so)."""
+    out = subprocess.run([sys.executable, "-c", _LARGE_BLOCKS, process], capture_output=True, text=True, check=True)
+    if out.stdout.strip() == "no mallinfo2":
+        pytest.skip("the C library has no mallinfo2 (not glibc 2.33 or later)")
+    assert out.stdout.strip() == maps
