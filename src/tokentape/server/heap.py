@@ -1,4 +1,4 @@
-"""Garbage collection in a process that serves the gateway.
+"""Garbage collection and malloc in a process that serves the gateway.
 
 CPython's cycle collector walks every tracked object of a generation each time it runs. A serving
 process holds a few hundred thousand objects that live as long as it does (the modules, the chat
@@ -20,8 +20,8 @@ to do but walk:
   where much of what is freed stays in the process. Twenty 8 MB template values (64 MB held by the
   budget) grew the resident set by 90-114 MB from run to run; with the size fixed, by 74 MB each time.
 
-Only for a process that is a server; a library embedding the gateway leaves its host's collector
-alone.
+Only for a process that is a server; a library embedding the gateway leaves its host's collector and
+allocator alone.
 """
 
 from __future__ import annotations
