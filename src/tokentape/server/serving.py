@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokentape.core.held import HeldBytes
 from tokentape.core.reply import ToolFormat
+from tokentape.engines.remote.wire import quote
 from tokentape.errors import NotFound, TokentapeError
 from tokentape.gateway.calls import Call, ChoiceDone, Event, Started
 from tokentape.gateway.service import Gateway
@@ -121,8 +122,8 @@ class Serving:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
-            raise NotFound(  # the name echoed in part: a 10 MB one is not sent back whole
-                f"the model '{name[:200]}' does not exist; this server serves '{self.model}'",
+            raise NotFound(  # the name quoted in part: a 10 MB one is not sent back whole
+                f"the model '{quote(name)}' does not exist; this server serves '{self.model}'",
                 param="model",
                 code="model_not_found",
             )
